@@ -1,0 +1,1 @@
+"""Pipeline steps: small, executor-free units that annotate a list of document rows."""
