@@ -60,6 +60,8 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     for name in ("CC-MAIN-2017-30-head44.warc.wet.gz", "CC-MAIN-2024-22-whirlwind.warc.wet.gz"):
         shutil.copyfile(args.shared / "commoncrawl-wet" / name, args.output / name)
+    for src in sorted((args.shared / "web-warc").glob("*.warc.gz")):
+        shutil.copyfile(src, args.output / src.name)
     for src in sorted((args.shared / "ccnet-text").glob("*.jsonl.gz")):
         dst = args.output / src.name.replace(".jsonl.gz", ".warc.wet.gz")
         print(f"{dst.name}: {wrap_ccnet_as_wet(src, dst)} records")

@@ -1,0 +1,92 @@
+"""Command line: ``python -m pipeline run|sample ...`` (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description="CommonCrawl WET shards → clean, deduplicated, tokenized training shards, on Ray Data.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="run the pipeline",
+        description="extract → language → quality → dedup_exact → dedup_minhash → tokenize; writes manifest.json, "
+        "tokens/*.bin, tokenizer.json, documents/ and rejected/ parquet, report.json and report.md.",
+    )
+    run.add_argument("--input", required=True, help="a directory of .warc.wet(.gz) files, or a glob (quote it)")
+    run.add_argument("--output", required=True, help="output directory (must not exist or be empty)")
+    run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
+    run.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory when done")
+    run.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster address ('auto' for the cluster this node belongs to); default: a local Ray",
+    )
+    run.add_argument("--num-cpus", type=int, help="CPUs for a local Ray (default: all)")
+
+    sample = sub.add_parser(
+        "sample",
+        help="print random kept or rejected documents with their signals and reasons (spot checks)",
+    )
+    sample.add_argument("--output", required=True, help="a pipeline output directory")
+    sample.add_argument("-n", type=int, default=10, help="number of documents (default 10)")
+    sample.add_argument("--rejected", action="store_true", help="sample rejected documents instead of kept ones")
+    sample.add_argument("--stage", help="only rejected documents of this stage (implies --rejected)")
+    sample.add_argument("--reason", help="only rejected documents with this reason (implies --rejected)")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--chars", type=int, default=600, help="characters of text to show per document")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    from pipeline.errors import PipelineInputError, PipelineOutputError
+
+    try:
+        if args.command == "sample":
+            from pipeline.sample import print_sample
+
+            print_sample(args.output, args.n, args.rejected or bool(args.stage or args.reason),
+                         args.stage, args.reason, args.seed, args.chars)
+            return 0
+        return _run(args, console)
+    except (PipelineInputError, PipelineOutputError, FileNotFoundError) as err:
+        console.print(f"[bold red]error:[/] {err}")
+        return 2
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    from pipeline.config import load_config
+    from pipeline.executor import PipelineRun
+
+    config = load_config(args.config)
+    run = PipelineRun(args.input, args.output, config, overwrite=args.overwrite, console=console)
+    import ray
+    from ray.exceptions import RayTaskError
+
+    ray.init(address=args.address, num_cpus=args.num_cpus if not args.address else None,
+             include_dashboard=None, log_to_driver=True)
+    try:
+        run.run()
+    except RayTaskError as err:
+        # Name the root cause (e.g. the corrupt file) rather than Ray's wrapping of it.
+        cause = err.cause if getattr(err, "cause", None) is not None else err
+        console.print(f"[bold red]error:[/] {cause}")
+        return 1
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The run report: per-stage accounting (docs in/out, drops by reason, seconds), input → output, throughput."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.schema import STAGES, TIMED_STEPS
+
+TOP_REASONS = 5
+
+
+@dataclass
+class StageAccounting:
+    """Counts gathered from the final rows: every record read is one row, dropped by at most one stage."""
+
+    records: int = 0
+    kept: int = 0
+    drops: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
+    step_seconds: Counter = field(default_factory=Counter)
+    records_by_source: Counter = field(default_factory=Counter)
+
+    def add(self, table: pa.Table) -> None:
+        self.records += table.num_rows
+        dropped = pc.is_valid(table["reason"])
+        self.kept += table.num_rows - pc.sum(dropped).as_py() if table.num_rows else 0
+        for row in table.filter(dropped).group_by(["stage", "reason"]).aggregate([("reason", "count")]).to_pylist():
+            self.drops[row["stage"]][row["reason"]] += row["reason_count"]
+        for row in table.group_by("source").aggregate([("source", "count")]).to_pylist():
+            self.records_by_source[row["source"]] += row["source_count"]
+        for step in TIMED_STEPS:
+            self.step_seconds[step] += pc.sum(table[f"t_{step}"]).as_py() or 0.0
+
+
+def stage_rows(acc: StageAccounting, extra_seconds: dict[str, float]) -> list[dict]:
+    """Per-stage rows in pipeline order. ``seconds`` are worker seconds spent in the stage's code (summed over
+    workers, so they can exceed wall time) plus driver-side work such as BPE training and cluster resolution."""
+    seconds = {
+        "extract": acc.step_seconds["extract"],
+        "language": acc.step_seconds["language"],
+        "quality": acc.step_seconds["quality"],
+        "dedup_exact": extra_seconds.get("dedup_exact", 0.0),
+        "dedup_minhash": extra_seconds.get("dedup_minhash", 0.0) + acc.step_seconds["dedup"],
+        "tokenize": extra_seconds.get("tokenize", 0.0) + acc.step_seconds["tokenize"],
+    }
+    rows = []
+    docs_in = acc.records
+    for stage in STAGES:
+        dropped = sum(acc.drops[stage].values())
+        rows.append(
+            {
+                "name": stage,
+                "docs_in": docs_in,
+                "docs_out": docs_in - dropped,
+                "dropped": dropped,
+                "drop_rate": round(dropped / docs_in, 6) if docs_in else 0.0,
+                "seconds": round(seconds[stage], 3),
+                "reasons": dict(acc.drops[stage].most_common()),
+            }
+        )
+        docs_in -= dropped
+    return rows
+
+
+def render_markdown(report: dict) -> str:
+    inp, out, thr = report["input"], report["output"], report["throughput"]
+    lines = [
+        "# Pipeline report",
+        "",
+        f"Input: {inp['files']} files, {inp['bytes'] / 1e6:.2f} MB, {inp['records']} WARC records.  ",
+        f"Output: {out['docs']} documents, {out['tokens']} tokens in {out['shards']} shards "
+        f"({out['bytes'] / 1e6:.2f} MB).  ",
+        f"Throughput: {thr['input_mb_per_s']:.3f} MB/s of input, {thr['docs_per_s']:.1f} docs/s, "
+        f"{thr['tokens_per_s']:.0f} tokens/s over {thr['wall_seconds']:.1f} s wall.",
+        "",
+        "| stage | docs in | docs out | dropped | drop rate | seconds | top reasons |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in report["stages"]:
+        top = ", ".join(f"{r} ({n})" for r, n in list(s["reasons"].items())[:TOP_REASONS])
+        lines.append(
+            f"| {s['name']} | {s['docs_in']} | {s['docs_out']} | {s['dropped']} | {s['drop_rate']:.1%} "
+            f"| {s['seconds']:.2f} | {top} |"
+        )
+    lines += ["", "Accounting: input.records = kept documents + all drops "
+              f"({inp['records']} = {out['docs']} + {sum(s['dropped'] for s in report['stages'])})."]
+    return "\n".join(lines) + "\n"
+
+
+def print_summary(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="pipeline report", show_lines=False)
+    for col, justify in [("stage", "left"), ("in", "right"), ("out", "right"), ("dropped", "right"),
+                         ("rate", "right"), ("s", "right"), ("top reasons", "left")]:
+        table.add_column(col, justify=justify)
+    for s in report["stages"]:
+        top = ", ".join(f"{r} ({n})" for r, n in list(s["reasons"].items())[:3])
+        table.add_row(s["name"], str(s["docs_in"]), str(s["docs_out"]), str(s["dropped"]),
+                      f"{s['drop_rate']:.1%}", f"{s['seconds']:.2f}", top)
+    console.print(table)
+    inp, out, thr = report["input"], report["output"], report["throughput"]
+    console.print(
+        f"{inp['files']} files, {inp['bytes'] / 1e6:.2f} MB, {inp['records']} records → "
+        f"{out['docs']} docs, {out['tokens']} tokens in {out['shards']} shards | "
+        f"{thr['input_mb_per_s']:.3f} MB/s, {thr['docs_per_s']:.1f} docs/s, {thr['tokens_per_s']:.0f} tok/s, "
+        f"{thr['wall_seconds']:.1f} s"
+    )

@@ -1,0 +1,49 @@
+"""The columns a document row carries through the pipeline, and which of them each output file keeps.
+
+Every batch is converted with this one schema, so blocks from different files and workers always concatenate
+(a column that happens to be all-null in one batch still has its type).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.steps.quality import QUALITY_SIGNALS
+
+# Stage order is the order of the report; ``seconds`` per stage are accumulated in t_<stage> columns.
+STAGES = ("extract", "language", "quality", "dedup_exact", "dedup_minhash", "tokenize")
+TIMED_STEPS = ("extract", "language", "quality", "dedup", "tokenize")
+
+RECORD_FIELDS = [
+    pa.field("source", pa.string()),
+    pa.field("source_offset", pa.int64()),
+    pa.field("warc_type", pa.string()),
+    pa.field("warc_record_id", pa.string()),
+    pa.field("url", pa.string()),
+    pa.field("warc_date", pa.string()),
+    pa.field("cc_language", pa.string()),
+    pa.field("language", pa.string()),
+    pa.field("language_score", pa.float64()),
+]
+SIGNAL_FIELDS = [pa.field(name, pa.float64()) for name in QUALITY_SIGNALS]
+DECISION_FIELDS = [
+    pa.field("stage", pa.string()),
+    pa.field("reason", pa.string()),
+    pa.field("duplicate_of", pa.string()),
+]
+TEXT_FIELD = pa.field("text", pa.large_string())
+WORK_FIELDS = [
+    pa.field("tokens", pa.list_(pa.uint32())),
+    pa.field("split", pa.string()),
+    *[pa.field(f"t_{step}", pa.float64()) for step in TIMED_STEPS],
+]
+
+DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS])
+
+# documents/*.parquet and rejected/*.parquet (DESIGN.md): provenance, language, signals, text (+ decision).
+KEPT_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS)] + ["split", "text"]
+REJECTED_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS)] + ["text"]
+
+
+def to_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=DOC_SCHEMA)

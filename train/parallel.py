@@ -1,0 +1,131 @@
+"""Parallelism: the process-group view of a rank, and how each strategy wraps the model.
+
+- ``single``: the bare model, no collectives.
+- ``ddp``: ``DistributedDataParallel`` (a full replica per rank, gradients all-reduced).
+- ``fsdp``: FSDP2 ``fully_shard`` on every block and then the root over a 1-D device mesh, with
+  ``reshard_after_forward=True`` (FULL_SHARD: parameters, gradients and optimizer state sharded;
+  parameters all-gathered per block for forward and again for backward). We call ``fully_shard``
+  directly because Ray's ``prepare_model(parallel_strategy="fsdp")`` wraps FSDP1 and requires CUDA;
+  ``fully_shard`` runs on CPU with gloo as well as on GPU with NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from train.model import GPT
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def apply_strategy(model: GPT, strategy: str, ctx: DistContext, precision: str) -> nn.Module:
+    """Move/wrap ``model`` for ``strategy``; returns the module the train loop calls."""
+    model.to(ctx.device)
+    if strategy == "single":
+        return model
+    if strategy == "ddp":
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    if strategy == "fsdp":
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+        # bf16 compute and all-gathers, fp32 gradient reduction; the sharded parameters the optimizer
+        # updates stay fp32 (the master weights), so no separate master copy is needed.
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        return model
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def unwrap(model: nn.Module) -> GPT:
+    return model.module if isinstance(model, DistributedDataParallel) else model  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro-step of an
+    accumulation: the reduction of the summed gradient happens once, which is both cheaper and,
+    since reduction is linear, the same result."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+
+
+def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every rank's shards for FSDP)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    # FSDP gradients are DTensor shards: the norm comes back as a partial DTensor; full_tensor()
+    # all-reduces the per-shard contributions into the global norm.
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def scale_grads(parameters: list[nn.Parameter], factor: float) -> None:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads and factor != 1.0:
+        torch._foreach_mul_(grads, factor)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU state dict (a collective: every rank must call it; rank 0 gets the tensors).
+    Keys are the plain model's names for single, DDP and FSDP alike."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def replica_digest(model: nn.Module) -> str:
+    """sha256 of this rank's view of the full parameters (gathered for FSDP; a collective then).
+    All ranks must agree after every step; a mismatch means the replicas have diverged."""
+    digest = hashlib.sha256()
+    for name, param in sorted(unwrap(model).named_parameters(), key=lambda item: item[0]):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        digest.update(name.encode())
+        digest.update(full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
