@@ -51,6 +51,4 @@ def overhead_fraction(
 
 def _check_positive(checkpoint_seconds: float, mtbf_seconds: float) -> None:
     if checkpoint_seconds <= 0 or mtbf_seconds <= 0:
-        raise ValueError(
-            f"checkpoint cost and MTBF must be positive (got C={checkpoint_seconds}s, M={mtbf_seconds}s)"
-        )
+        raise ValueError(f"checkpoint cost and MTBF must be positive (got C={checkpoint_seconds}s, M={mtbf_seconds}s)")

@@ -55,7 +55,11 @@ class ParallelConfig:
 
 @dataclass
 class MetricsConfig:
-    log_interval: int = 1
+    log_interval: int = 1  # steps between metrics.jsonl records
+    # Steps between ray.train.report calls (the last step always reports). Ray Train V2's controller
+    # takes one report per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default) through a
+    # result queue of size 1, so reporting every step would cap training at ~1 step per 2 s.
+    ray_report_interval: int = 100
     # FLOP/s of one device for MFU; None looks the GPU up in train.flops, and CPUs have no entry.
     peak_flops_per_device: float | None = None
     wandb: bool = False

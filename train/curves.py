@@ -8,9 +8,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # headless: workers and CI have no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from train.metrics import read_metrics  # noqa: E402
+from train.metrics import read_metrics
 
 PLOT_FILE = "loss_curve.png"
 

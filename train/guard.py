@@ -53,7 +53,11 @@ class GuardRail:
         reasons = [
             reason
             for reason, flag in zip(
-                ("non-finite loss", "non-finite grad norm", f"grad norm spike (> {self.config.spike_factor}× median {median})"),
+                (
+                    "non-finite loss",
+                    "non-finite grad norm",
+                    f"grad norm spike (> {self.config.spike_factor}× median {median})",
+                ),
                 flags.tolist(),
                 strict=True,
             )

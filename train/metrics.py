@@ -46,14 +46,16 @@ class MetricsLogger:
                     project=config.metrics.wandb_project, dir=config.output_dir, mode=mode, config=config.to_dict()
                 )
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], report: bool) -> None:
+        """Append ``record`` to metrics.jsonl (rank 0); with ``report``, also hand it to Ray Train,
+        which every rank must do at the same step (``ray.train.report`` is a barrier)."""
         record = {key: _json_safe(value) for key, value in record.items()}
         if self.is_main:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
             if self._wandb is not None:
                 self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
-        if self.reporter is not None:
+        if report and self.reporter is not None:
             self.reporter(record)
 
     def close(self) -> None:

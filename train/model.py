@@ -56,9 +56,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim), the layout scaled_dot_product_attention expects.
         q, k, v = (t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
         return self.resid_dropout(self.proj(y))
 

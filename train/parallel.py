@@ -29,6 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 from train.model import GPT
 
 
+class ReplicaMismatch(RuntimeError):
+    """Ranks that should hold identical parameters do not."""
+
+
 @dataclass
 class DistContext:
     rank: int

@@ -34,6 +34,7 @@ from train.model import GPT
 from train.optim import build_optimizer, learning_rate, set_learning_rate
 from train.parallel import (
     DistContext,
+    ReplicaMismatch,
     apply_strategy,
     full_state_dict,
     grad_norm,
@@ -43,10 +44,6 @@ from train.parallel import (
 )
 
 FINAL_DIR = "final"
-
-
-class ReplicaMismatch(RuntimeError):
-    pass
 
 
 class Trainer(Stateful):
@@ -105,8 +102,10 @@ class Trainer(Stateful):
                 record["val_loss"] = self.evaluate()
             if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
                 self.check_replicas()
-            if last or step % self.config.metrics.log_interval == 0 or "val_loss" in record:
-                self.metrics.log(self._with_memory(record))
+            mc = self.config.metrics
+            report = last or step % mc.ray_report_interval == 0
+            if report or step % mc.log_interval == 0 or "val_loss" in record:
+                self.metrics.log(self._with_memory(record), report=report)
         self.finish()
 
     def train_step(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ against the exact Jaccard similarity; ``bench/pipeline_bench.py`` measures preci
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import struct
 import unicodedata
@@ -168,6 +169,7 @@ def resolve_duplicates(
     keeps its lowest record id among the documents the exact stage did not already drop.
     """
     decisions: dict[str, tuple[str, str]] = {}
+    exact_edges = list(exact_edges)
     exact = _DisjointSet()
     for a, b in exact_edges:
         exact.union(a, b)
@@ -176,7 +178,7 @@ def resolve_duplicates(
             if m != root:
                 decisions[m] = (EXACT, root)
     near = _DisjointSet()
-    for a, b in minhash_edges:
+    for a, b in itertools.chain(exact_edges, minhash_edges):  # an exact duplicate is also a near one
         near.union(a, b)
     for members in near.clusters().values():
         survivors = sorted(m for m in members if m not in decisions)

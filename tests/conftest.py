@@ -1,0 +1,22 @@
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+SAMPLE = REPO / "data" / "sample"
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other test helpers
+
+
+@pytest.fixture(scope="session")
+def ccnet_texts() -> list[str]:
+    """Real Common Crawl documents (cc_net head, English), shipped in data/sample as WET; read from the source."""
+    texts = []
+    for path in sorted((SHARED_DATA / "ccnet-text").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as lines:
+            texts += [json.loads(line)["text"] for line in lines]
+    return texts

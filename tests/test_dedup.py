@@ -1,0 +1,120 @@
+"""Dedup on real Common Crawl text with planted exact and near duplicates (answers known by construction)."""
+
+import random
+
+import pytest
+
+from pipeline.steps.dedup import (
+    EXACT,
+    MINHASH,
+    DedupConfig,
+    DedupKeys,
+    deduplicate,
+    normalise,
+    resolve_duplicates,
+    shingles,
+)
+
+BOILERPLATE = (
+    "\nShare this page on social media. Subscribe to our newsletter for weekly updates. "
+    "Copyright 2020 all rights reserved. Contact us with any questions about our services."
+)
+
+
+def jaccard(a: str, b: str, n: int = 5) -> float:
+    sa, sb = shingles(a, n), shingles(b, n)
+    return len(sa & sb) / len(sa | sb)
+
+
+def edit_words(text: str, fraction: float, seed: int) -> str:
+    """Replace a fraction of the words at random positions (deterministic)."""
+    rng = random.Random(seed)
+    words = text.split()
+    for i in rng.sample(range(len(words)), max(1, int(len(words) * fraction))):
+        words[i] = f"edited{rng.randrange(10**6)}"
+    return " ".join(words)
+
+
+@pytest.fixture
+def long_texts(ccnet_texts):
+    texts = [t for t in ccnet_texts if len(t.split()) >= 150]
+    assert len(texts) >= 6
+    return texts
+
+
+def doc(doc_id: str, text: str) -> dict:
+    return {"warc_record_id": doc_id, "text": text}
+
+
+def test_exact_duplicates_modulo_case_whitespace_punctuation(long_texts):
+    original = long_texts[0]
+    variant = "  " + original.upper().replace(". ", " .\n\n") + "!"
+    assert normalise(original) == normalise(variant)
+    docs = deduplicate([doc("id-b", variant), doc("id-a", original), doc("id-c", long_texts[1])])
+    assert docs[0]["reason"] == "exact_duplicate" and docs[0]["stage"] == EXACT
+    assert docs[0]["duplicate_of"] == "id-a"  # the lowest record id is kept, whatever the order
+    assert docs[1].get("reason") is None and docs[2].get("reason") is None
+
+
+def test_near_duplicates_are_clustered_and_lowest_id_kept(long_texts):
+    original = long_texts[0]
+    near = edit_words(original, 0.01, seed=1)
+    assert 0.8 <= jaccard(original, near) < 1.0
+    docs = deduplicate([doc("z", near), doc("m", original), doc("a", long_texts[2])])
+    assert docs[0]["stage"] == MINHASH and docs[0]["reason"] == "near_duplicate"
+    assert docs[0]["duplicate_of"] == "m"
+    assert docs[1].get("reason") is None and docs[2].get("reason") is None
+
+
+def test_dissimilar_documents_are_kept(long_texts):
+    original = long_texts[0]
+    far = edit_words(original, 0.5, seed=2)
+    assert jaccard(original, far) < 0.3
+    docs = deduplicate([doc("a", original), doc("b", far)])
+    assert all(d.get("reason") is None for d in docs)
+
+
+def test_distinct_documents_with_shared_boilerplate_are_kept(long_texts):
+    docs = deduplicate([doc(f"id-{i}", text + BOILERPLATE) for i, text in enumerate(long_texts)])
+    assert all(d.get("reason") is None for d in docs)
+
+
+def test_result_does_not_depend_on_order_or_index_sharding(long_texts):
+    base = [doc(f"id-{i:02d}", t) for i, t in enumerate(long_texts[:4])]
+    planted = [doc(f"id-{10 + i}", edit_words(t, 0.01, seed=i)) for i, t in enumerate(long_texts[:4])]
+    planted += [doc("id-20", long_texts[0]), doc("id-21", long_texts[1].lower())]
+
+    def decisions(docs, actors):
+        out = deduplicate([dict(d) for d in docs], DedupConfig(num_index_actors=actors))
+        return {d["warc_record_id"]: (d.get("reason"), d.get("duplicate_of")) for d in out}
+
+    reference = decisions(base + planted, 1)
+    shuffled = base + planted
+    random.Random(0).shuffle(shuffled)
+    assert decisions(shuffled, 3) == reference
+    dropped = {k: v for k, v in reference.items() if v[0]}
+    assert dropped == {
+        **{f"id-{10 + i}": ("near_duplicate", f"id-{i:02d}") for i in range(4)},
+        "id-20": ("exact_duplicate", "id-00"),
+        "id-21": ("exact_duplicate", "id-01"),
+    }
+
+
+def test_clusters_are_transitive_and_keep_one_survivor():
+    # a~b and b~c through different buckets: one cluster, kept = lowest id among non-exact-dropped members.
+    decisions = resolve_duplicates(exact_edges=[("c", "b")], minhash_edges=[("a", "b"), ("d", "c")])
+    assert decisions == {"c": (EXACT, "b"), "b": (MINHASH, "a"), "d": (MINHASH, "a")}
+
+
+def test_lsh_parameters_follow_the_threshold():
+    loose = DedupKeys(DedupConfig.model_validate({"minhash": {"threshold": 0.5}}))
+    strict = DedupKeys(DedupConfig())
+    assert loose.bands * loose.rows <= 128 and strict.bands * strict.rows <= 128
+    assert strict.rows > loose.rows  # a higher threshold needs longer bands
+    assert len(strict.band_keys("a b c d e f g")) == strict.bands
+
+
+def test_already_dropped_documents_are_not_indexed(long_texts):
+    docs = [doc("a", long_texts[0]) | {"stage": "quality", "reason": "gopher:min_words"}, doc("b", long_texts[0])]
+    deduplicate(docs)
+    assert docs[1].get("reason") is None  # its only twin was dropped earlier, so it is not a duplicate

@@ -1,0 +1,203 @@
+"""The whole pipeline on a local Ray: real sample accounting, shard integrity, determinism, bad input."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import pytest
+import ray
+from conftest import REPO, SAMPLE
+from tokenizers import Tokenizer
+from wet_builder import article, record_id, write_wet
+
+from pipeline.config import PipelineConfig, load_config
+from pipeline.errors import PipelineInputError, PipelineOutputError
+from pipeline.executor import run_pipeline
+from pipeline.steps.quality import QualityFilter
+
+DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "sample"
+    report = run_pipeline(str(SAMPLE), out, load_config(DEMO_CONFIG))
+    return out, report
+
+
+def read_parquet(folder: Path):
+    return pads.dataset(folder, format="parquet").to_table()
+
+
+def test_every_record_is_kept_or_rejected_exactly_once(sample_run):
+    out, report = sample_run
+    kept, rejected = read_parquet(out / "documents"), read_parquet(out / "rejected")
+    drops = sum(s["dropped"] for s in report["stages"])
+    assert report["input"]["records"] == report["output"]["docs"] + drops
+    assert kept.num_rows == report["output"]["docs"] and rejected.num_rows == drops
+    ids = kept["warc_record_id"].to_pylist() + rejected["warc_record_id"].to_pylist()
+    assert len(ids) == len(set(ids)) == report["input"]["records"]
+    # Records per source file add up, and every stage's drops are in rejected/ under its name.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sum(s["records"] for s in manifest["sources"]) == report["input"]["records"]
+    by_stage = Counter(rejected["stage"].to_pylist())
+    assert by_stage == {s["name"]: s["dropped"] for s in report["stages"] if s["dropped"]}
+    assert [s["name"] for s in report["stages"]] == [
+        "extract", "language", "quality", "dedup_exact", "dedup_minhash", "tokenize"
+    ]
+    for s in report["stages"]:
+        assert s["docs_in"] - s["dropped"] == s["docs_out"] and sum(s["reasons"].values()) == s["dropped"]
+
+
+def test_real_sample_behaves_as_expected(sample_run):
+    out, report = sample_run
+    stages = {s["name"]: s for s in report["stages"]}
+    assert stages["language"]["reasons"]["language:zh"] >= 5  # the 2017 WET file has Chinese pages
+    rejected = read_parquet(out / "rejected").to_pylist()
+    # allenai.org was crawled three times in the WARC sample: one copy kept, the others point at it.
+    dups = [r for r in rejected if r["stage"] == "dedup_exact"]
+    assert dups and all(r["duplicate_of"] for r in dups)
+    kept = read_parquet(out / "documents").to_pylist()
+    kept_ids = {r["warc_record_id"] for r in kept}
+    assert all(r["duplicate_of"] in kept_ids for r in dups)
+    assert all(r["language"] == "en" and r["language_score"] >= 0.65 for r in kept)
+
+
+def test_manifest_and_shards_agree(sample_run):
+    out, _ = sample_run
+    manifest = json.loads((out / "manifest.json").read_text())
+    dtype = np.dtype(manifest["dtype"])
+    tok = manifest["tokenizer"]
+    assert hashlib.sha256((out / tok["path"]).read_bytes()).hexdigest() == tok["sha256"]
+    tokenizer = Tokenizer.from_file(str(out / tok["path"]))
+    assert tokenizer.get_vocab_size() == tok["vocab_size"] and tokenizer.token_to_id("<|endoftext|>") == tok["eot_id"]
+    assert {s["split"] for s in manifest["shards"]} == {"train", "val"}
+    for shard in manifest["shards"]:
+        path = out / shard["path"]
+        assert path.stat().st_size == shard["tokens"] * dtype.itemsize
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["sha256"]
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        ends = np.flatnonzero(tokens == tok["eot_id"])
+        assert len(ends) == shard["docs"] and ends[-1] == len(tokens) - 1
+        # Decoding the shard gives back its documents' text, in order.
+        docs = read_parquet(path.parent.parent / "documents" / f"{path.stem}.parquet")
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        decoded = [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
+        assert decoded == docs["text"].to_pylist()
+        assert set(docs["split"].to_pylist()) == {shard["split"]}
+
+
+def test_same_input_and_config_give_byte_identical_output(sample_run, tmp_path):
+    out, _ = sample_run
+    again = tmp_path / "again"
+    run_pipeline(str(SAMPLE), again, load_config(DEMO_CONFIG))
+    first = json.loads((out / "manifest.json").read_text())
+    second = json.loads((again / "manifest.json").read_text())
+    assert first["shards"] == second["shards"] and first["tokenizer"] == second["tokenizer"]
+    for shard in first["shards"]:
+        assert (out / shard["path"]).read_bytes() == (again / shard["path"]).read_bytes()
+
+
+def test_planted_duplicates_across_files_languages_and_bad_documents(tmp_path, ccnet_texts):
+    passing = QualityFilter()([{"text": t} for t in ccnet_texts if len(t.split()) >= 150])
+    long = [d["text"] for d in passing if d.get("reason") is None][:4]
+    assert len(long) == 4
+    near = long[1].replace(" the ", " a ", 3)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_wet(inputs / "a.warc.wet.gz", [("a0", long[0]), ("a1", long[1]), ("a2", long[2]), ("short", "The public library opens at nine in the morning and closes at six in the evening on weekdays.")])
+    write_wet(
+        inputs / "b.warc.wet.gz",
+        [
+            ("b0", long[0].replace(" ", "  ")),  # exact duplicate of a0 once normalised, in another file
+            ("b1", near),  # near duplicate of a1, in another file
+            ("b2", long[3]),
+            ("fr", "Le conseil municipal s'est réuni mardi pour discuter du budget de la bibliothèque " * 8),
+            ("latin1", "caf\xe9".encode("latin-1")),
+        ],
+    )
+    out = tmp_path / "out"
+    config = PipelineConfig.model_validate({"tokenize": {"vocab_size": 400, "val_fraction": 0.0}})
+    report = run_pipeline(str(inputs), out, config)
+    rejected = {r["warc_record_id"]: r for r in read_parquet(out / "rejected").to_pylist()}
+
+    def pair(a: str, b: str, stage: str, reason: str) -> dict:
+        """Of two duplicates the lower record id is kept; the other points at it."""
+        (kept, _), (lost, _) = sorted([(record_id(a), a), (record_id(b), b)])
+        return {lost: (stage, reason, kept)}
+
+    expect = {
+        **pair("a0", "b0", "dedup_exact", "exact_duplicate"),
+        **pair("a1", "b1", "dedup_minhash", "near_duplicate"),
+        record_id("fr"): ("language", "language:fr", None),
+        record_id("latin1"): ("extract", "invalid_utf8", None),
+        record_id("short"): ("quality", "gopher:min_words", None),
+    }
+    for rid, (stage, reason, duplicate_of) in expect.items():
+        row = rejected[rid]
+        assert (row["stage"], row["reason"], row["duplicate_of"]) == (stage, reason, duplicate_of)
+    kept = set(read_parquet(out / "documents")["warc_record_id"].to_pylist())
+    all_docs = {record_id(n) for n in ("a0", "a1", "a2", "b0", "b1", "b2", "fr", "latin1", "short")}
+    assert kept == all_docs - set(expect)
+    assert report["input"]["records"] == 11  # 9 documents + 2 warcinfo
+
+
+def test_empty_glob_is_a_clear_error(tmp_path):
+    with pytest.raises(PipelineInputError, match="matches no WARC/WET files"):
+        run_pipeline(str(tmp_path / "*.warc.wet.gz"), tmp_path / "out")
+
+
+def test_non_empty_output_is_refused_and_left_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(PipelineOutputError, match="not empty"):
+        run_pipeline(str(SAMPLE / "CC-MAIN-2024-22-whirlwind.warc.wet.gz"), out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_corrupt_file_fails_the_run_naming_it_and_leaves_no_output(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_wet(inputs / "good.warc.wet.gz", [(f"g{i}", article(f"town {i}")) for i in range(3)])
+    write_wet(inputs / "bad.warc.wet.gz", [(f"b{i}", article(f"city {i}")) for i in range(6)])
+    data = bytearray((inputs / "bad.warc.wet.gz").read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
+    (inputs / "bad.warc.wet.gz").write_bytes(data)
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match=r"bad\.warc\.wet\.gz: corrupt input"):
+        run_pipeline(str(inputs), out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+def test_sample_command_shows_documents_with_reasons(sample_run):
+    out, _ = sample_run
+    cmd = [sys.executable, "-m", "pipeline", "sample", "--output", str(out), "-n", "3", "--stage", "language"]
+    shown = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "3 of" in shown and "language: language:" in shown
+    kept = subprocess.run(cmd[:-2], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "kept documents" in kept and "word_count=" in kept
+
+
+def test_cli_help_and_bad_config(tmp_path):
+    help_text = subprocess.run([sys.executable, "-m", "pipeline", "run", "--help"], capture_output=True,
+                               text=True, check=True, cwd=REPO).stdout
+    assert "--input" in help_text and "--overwrite" in help_text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("language:\n  min_scor: 0.5\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
+                             str(tmp_path / "o"), "--config", str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "min_scor" in result.stderr and "invalid pipeline config" in result.stderr

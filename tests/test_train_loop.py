@@ -1,0 +1,125 @@
+"""The model and the train loop in one process (world size 1, no Ray): accumulation, guard rails,
+and the Stateful contract the checkpoint issue builds on."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+
+from train.config import TrainConfig, load_config
+from train.guard import GuardRail, TrainingDiverged
+from train.model import GPT, GPTConfig
+from train.parallel import DistContext
+from train.preflight import check_data
+from train.trainer import Trainer
+
+CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def make_config(data: Path, out: Path, **extra: object) -> TrainConfig:
+    config = load_config(None, tiny_overrides(data, out, **extra))
+    check_data(config)
+    return config
+
+
+def test_model_is_causal_tied_and_starts_near_uniform() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=97)).eval()
+    idx = torch.randint(0, 97, (2, 16))
+    logits, loss = model(idx, torch.randint(0, 97, (2, 16)))
+    assert logits.shape == (2, 16, 97)
+    assert loss is not None and abs(loss.item() - math.log(97)) < 0.1
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 97
+    later, _ = model(changed)
+    assert torch.equal(logits[:, :10], later[:, :10]) and not torch.allclose(logits[:, 10:], later[:, 10:])
+    assert "lm_head.weight" not in model.state_dict()  # the output projection is wte itself
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_grad_accumulation_matches_one_big_batch(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    curves = []
+    for micro in (2, 8):  # accum 4 × micro 2 vs accum 1 × micro 8: the same 8 sequences per step
+        trainer = Trainer(make_config(token_dir, tmp_path / f"m{micro}", **{"data.micro_batch_size": micro}), CPU)
+        assert trainer.grad_accum == 8 // micro
+        curves.append([trainer.train_step()["loss"] for _ in range(6)])
+    for a, b in zip(*curves, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def poison_forward(trainer: Trainer, bad_steps: set[int]) -> None:
+    """Make the forward return NaN at the given steps (a stand-in for a numerical blow-up)."""
+
+    def hook(module, inputs, output):
+        return output * float("nan") if trainer.step in bad_steps else output
+
+    trainer.gpt.blocks[0].register_forward_hook(hook)
+
+
+def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    config = make_config(token_dir, tmp_path / "run", steps=6)
+    trainer = Trainer(config, CPU)
+    poison_forward(trainer, {3})
+    snapshots = []
+    for _ in range(6):
+        snapshots.append({k: v.clone() for k, v in trainer.gpt.state_dict().items()})
+        record = trainer.train_step()
+        trainer.metrics.log(record, report=False)
+    after_bad = {k: v.clone() for k, v in trainer.gpt.state_dict().items()}
+    assert all(torch.equal(snapshots[4][k], snapshots[3][k]) for k in after_bad)  # step 3 left weights alone
+    assert not all(torch.equal(snapshots[3][k], snapshots[2][k]) for k in after_bad)  # step 2 did update
+    assert len(trainer.bad_steps) == 1
+    bad = trainer.bad_steps[0]
+    assert bad["step"] == 3 and "non-finite loss" in bad["reasons"]
+    assert bad["data_position"]["first_global_sample"] == 3 * 8 and len(bad["data_position"]["rank_windows"]) == 8
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[3]["skipped"] is True and records[3]["loss"] is None  # NaN written as JSON null
+    assert all(math.isfinite(r["loss"]) for r in records if r["step"] != 3)
+
+
+def test_consecutive_bad_steps_stop_training(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    config = make_config(token_dir, tmp_path / "run", **{"guard.max_consecutive_bad": 3})
+    trainer = Trainer(config, CPU)
+    poison_forward(trainer, set(range(2, 100)))
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive bad steps.*step 4.*non-finite loss"):
+        trainer.train()
+
+
+def test_grad_norm_spike_is_flagged_against_running_median() -> None:
+    config = load_config(None, {"guard.min_history": 3, "guard.spike_factor": 5.0}).guard
+    guard = GuardRail(config)
+    loss = torch.tensor(1.0)
+    assert all(guard.check(CPU, loss, norm).ok for norm in (1.0, 1.2, 0.9, 1.1))
+    verdict = guard.check(CPU, loss, 50.0)
+    assert not verdict.ok and "spike" in verdict.reasons[0]
+    assert guard.check(CPU, loss, 4.0).ok  # below 5 × median: fine, and the spike did not raise the median
+    assert not guard.check(CPU, loss, float("inf")).ok
+
+
+def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    config = make_config(token_dir, tmp_path / "a", steps=6)
+    straight = Trainer(config, CPU)
+    expected = [straight.train_step()["loss"] for _ in range(6)]
+
+    first = Trainer(make_config(token_dir, tmp_path / "b", steps=6), CPU)
+    losses = [first.train_step()["loss"] for _ in range(3)]
+    state = copy.deepcopy(first.state_dict())
+    resumed = Trainer(make_config(token_dir, tmp_path / "c", steps=6), CPU)
+    resumed.load_state_dict(state)
+    assert resumed.step == 3 and resumed.train_batches.step == 3
+    losses += [resumed.train_step()["loss"] for _ in range(3)]
+    assert losses == pytest.approx(expected, rel=1e-6)
+    for key, value in straight.gpt.state_dict().items():
+        torch.testing.assert_close(resumed.gpt.state_dict()[key], value, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,76 @@
+"""python -m train --data DIR --output DIR --strategy single|ddp|fsdp --workers N --steps N [--config FILE.yaml]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import yaml
+
+from train.config import STRATEGIES, ConfigError, load_config
+from train.guard import TrainingDiverged
+from train.parallel import ReplicaMismatch
+from train.preflight import PreflightError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train a GPT on the pipeline's token shards with Ray Train (TorchTrainer). "
+        "Writes metrics.jsonl, loss_curve.png and final/ (full model) into --output; "
+        "then run `python -m train.export --run OUTPUT --output DIR` for serving.",
+    )
+    parser.add_argument("--data", required=True, help="pipeline output dir (with manifest.json)")
+    parser.add_argument("--output", required=True, help="run dir (also Ray Train's storage_path/name)")
+    parser.add_argument("--strategy", choices=STRATEGIES, help="parallelism (overrides parallel.strategy)")
+    parser.add_argument("--workers", type=int, help="Ray Train workers (overrides parallel.workers)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (overrides steps)")
+    parser.add_argument("--config", help="YAML config, e.g. train/configs/demo.yaml")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set optimizer.lr=3e-4 --set parallel.precision=bf16 (repeatable)",
+    )
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster address ('auto' for a running cluster; default: RAY_ADDRESS or a local Ray)",
+    )
+    return parser.parse_args(argv)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"data_dir": args.data, "output_dir": args.output}
+    for flag, key in (("strategy", "parallel.strategy"), ("workers", "parallel.workers"), ("steps", "steps")):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, overrides_from_args(args))
+        from train.launch import launch  # imported late: `--help` and config errors need no Ray
+
+        launch(config, address=args.address)
+    except (ConfigError, PreflightError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (TrainingDiverged, ReplicaMismatch) as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

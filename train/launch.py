@@ -1,0 +1,64 @@
+"""Driver side of a training run: preflight checks, then Ray Train's TorchTrainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from ray.train import RunConfig, ScalingConfig, WorkerGroupError
+from ray.train.torch import TorchTrainer
+
+from train.config import TrainConfig
+from train.curves import format_summary, summarize
+from train.guard import TrainingDiverged
+from train.parallel import ReplicaMismatch
+from train.preflight import check_data, check_extras, check_resources
+from train.trainer import train_loop_per_worker
+
+
+def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
+    """Validate everything, run training on Ray, return the loss-curve summary."""
+    config.validate()
+    check_extras(config)
+    check_data(config)  # also fills model.vocab_size
+    output = Path(config.output_dir).resolve()
+    config.output_dir = str(output)
+    config.data_dir = str(Path(config.data_dir).resolve())
+
+    if not ray.is_initialized():
+        runtime_env = None
+        if address:
+            # A remote cluster does not have this checkout: ship the package with the job.
+            runtime_env = {"py_modules": [str(Path(__file__).parent)]}
+        ray.init(address=address, runtime_env=runtime_env)
+    check_resources(config, ray.cluster_resources())
+
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    p = config.parallel
+    resources = {"CPU": p.cpus_per_worker} | ({"GPU": 1} if p.use_gpu else {})
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=config.to_dict(),
+        scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
+        # The run dir is Ray Train's run dir (storage_path/name), so its checkpoints land next to
+        # metrics.jsonl.
+        run_config=RunConfig(storage_path=str(output.parent), name=output.name),
+    )
+    try:
+        trainer.fit()
+    except WorkerGroupError as exc:
+        # Surface our own stop reasons as themselves (the CLI prints them plainly); anything else
+        # keeps Ray's report with every worker's traceback.
+        for failure in exc.worker_failures.values():
+            cause = getattr(failure, "cause", failure)
+            if isinstance(cause, TrainingDiverged | ReplicaMismatch):
+                raise cause from exc
+        raise
+    summary = summarize(output)
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(format_summary(summary))
+    return summary
