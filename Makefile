@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q '$(TORCH)'
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

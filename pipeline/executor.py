@@ -24,7 +24,7 @@ from pipeline.output import RejectedWriter, SplitShardWriter, StagingDir, file_s
 from pipeline.report import StageAccounting, print_summary, render_markdown, stage_rows
 from pipeline.schema import to_table
 from pipeline.steps.base import Step
-from pipeline.steps.dedup import BucketIndex, DedupKeys, MarkDuplicates, exact_key, resolve_duplicates
+from pipeline.steps.dedup import BucketIndex, DedupKeys, MarkDuplicates, doc_key, exact_key, resolve_duplicates
 from pipeline.steps.extract import check_is_warc, read_wet
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.quality import QualityFilter
@@ -82,7 +82,8 @@ def insert_dedup_keys(
     batch: pa.Table, keys: DedupKeys, exact_actors: list, band_actors: list
 ) -> dict[str, list]:
     """Send this batch's bucket keys to the index actors; return its edges and the seconds spent hashing."""
-    alive = batch.filter(pc.is_null(batch["reason"])).select(["warc_record_id", "text"]).to_pylist()
+    alive = batch.filter(pc.is_null(batch["reason"])).select(["warc_record_id", "source", "source_offset", "text"])
+    alive = alive.to_pylist()
     cfg = keys.config
     exact_edges: list = []
     minhash_edges: list = []
@@ -93,7 +94,7 @@ def insert_dedup_keys(
             key = exact_key(doc["text"])
             shard = by_actor.setdefault(int.from_bytes(key[:4], "little") % len(exact_actors), ([], []))
             shard[0].append(key)
-            shard[1].append(doc["warc_record_id"])
+            shard[1].append(doc_key(doc))
         t1 = time.perf_counter()
         for edges in ray.get([exact_actors[i].add.remote(k, ids) for i, (k, ids) in by_actor.items()]):
             exact_edges += edges
@@ -107,7 +108,7 @@ def insert_dedup_keys(
             for band, key in keys.band_keys(doc["text"]):
                 shard = by_actor.setdefault(band % len(band_actors), ([], []))
                 shard[0].append(key)
-                shard[1].append(doc["warc_record_id"])
+                shard[1].append(doc_key(doc))
         for edges in ray.get([band_actors[i].add.remote(k, ids) for i, (k, ids) in by_actor.items()]):
             minhash_edges += edges
     minhash_seconds = time.perf_counter() - t2

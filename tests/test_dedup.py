@@ -118,3 +118,15 @@ def test_already_dropped_documents_are_not_indexed(long_texts):
     docs = [doc("a", long_texts[0]) | {"stage": "quality", "reason": "gopher:min_words"}, doc("b", long_texts[0])]
     deduplicate(docs)
     assert docs[1].get("reason") is None  # its only twin was dropped earlier, so it is not a duplicate
+
+
+def test_a_file_given_twice_keeps_one_copy_of_each_record(long_texts):
+    # The same WET file under two names repeats record ids; each record must still be kept exactly once.
+    first = [doc(f"<id-{i}>", t) | {"source": "a.warc.wet.gz", "source_offset": i} for i, t in enumerate(long_texts)]
+    second = [d | {"source": "copy-of-a.warc.wet.gz"} for d in first]
+    out = deduplicate([dict(d) for d in second + first])
+    kept = [d for d in out if d.get("reason") is None]
+    assert sorted(d["warc_record_id"] for d in kept) == sorted(d["warc_record_id"] for d in first)
+    assert all(d["source"] == "a.warc.wet.gz" for d in kept)  # ties on record id go to the lower source
+    dropped = [d for d in out if d.get("reason")]
+    assert all(d["reason"] == "exact_duplicate" and d["duplicate_of"] == d["warc_record_id"] for d in dropped)

@@ -117,7 +117,8 @@ def test_planted_duplicates_across_files_languages_and_bad_documents(tmp_path, c
     near = long[1].replace(" the ", " a ", 3)
     inputs = tmp_path / "in"
     inputs.mkdir()
-    write_wet(inputs / "a.warc.wet.gz", [("a0", long[0]), ("a1", long[1]), ("a2", long[2]), ("short", "The public library opens at nine in the morning and closes at six in the evening on weekdays.")])
+    short = "The public library opens at nine in the morning and closes at six in the evening on weekdays."
+    write_wet(inputs / "a.warc.wet.gz", [("a0", long[0]), ("a1", long[1]), ("a2", long[2]), ("short", short)])
     write_wet(
         inputs / "b.warc.wet.gz",
         [
@@ -201,3 +202,10 @@ def test_cli_help_and_bad_config(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
                              str(tmp_path / "o"), "--config", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "min_scor" in result.stderr and "invalid pipeline config" in result.stderr
+
+
+def test_output_under_a_file_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(PipelineOutputError, match="cannot create output parent directory"):
+        run_pipeline(str(SAMPLE / "CC-MAIN-2024-22-whirlwind.warc.wet.gz"), blocker / "sub" / "out")

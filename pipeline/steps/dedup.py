@@ -65,6 +65,19 @@ class DedupConfig(BaseModel):
     num_index_actors: int = Field(2, ge=1)  # Ray actors holding the bucket index shards
 
 
+def doc_key(doc: Doc) -> str:
+    """The identity dedup clusters: the record id first, so the lowest key is the lowest record id.
+
+    Record ids are unique within a crawl, but the same file listed twice or copied repeats them; source and
+    offset keep such records apart instead of merging them into one node.
+    """
+    return f"{doc['warc_record_id']}\x00{doc.get('source') or ''}\x00{doc.get('source_offset') or 0}"
+
+
+def record_id_of(key: str) -> str:
+    return key.split("\x00", 1)[0]
+
+
 def normalise(text: str) -> str:
     """Case, punctuation, Unicode form and whitespace differences do not make a document new."""
     text = unicodedata.normalize("NFKC", text).lower()
@@ -163,7 +176,7 @@ class _DisjointSet:
 def resolve_duplicates(
     exact_edges: Iterable[tuple[str, str]], minhash_edges: Iterable[tuple[str, str]]
 ) -> dict[str, tuple[str, str]]:
-    """Map each duplicate record id to (stage, id of the kept document of its cluster).
+    """Map each duplicate's :func:`doc_key` to (stage, key of the kept document of its cluster).
 
     Exact duplicates are resolved first; near-duplicate clusters are then formed over all edges, and each
     keeps its lowest record id among the documents the exact stage did not already drop.
@@ -195,10 +208,11 @@ class MarkDuplicates(Step):
 
     def apply(self, docs: list[Doc]) -> None:
         for doc in docs:
-            decision = self.decisions.get(doc["warc_record_id"])
+            decision = self.decisions.get(doc_key(doc))
             if decision is not None:
                 stage, kept = decision
-                drop(doc, stage, "exact_duplicate" if stage == EXACT else "near_duplicate", duplicate_of=kept)
+                reason = "exact_duplicate" if stage == EXACT else "near_duplicate"
+                drop(doc, stage, reason, duplicate_of=record_id_of(kept))
 
 
 def dedup_edges(
@@ -210,7 +224,7 @@ def dedup_edges(
     for doc in docs:
         if doc.get("reason") is not None:
             continue
-        doc_id = doc["warc_record_id"]
+        doc_id = doc_key(doc)
         if keys.config.exact.enabled:
             exact_edges += exact_index.add([exact_key(doc["text"])], [doc_id])
         if keys.config.minhash.enabled:

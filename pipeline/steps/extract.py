@@ -3,8 +3,10 @@
 Every record read becomes a row, so nothing is lost: WET ``conversion`` records carry the page text; WARC
 ``response`` records with an HTML body are turned into text with resiliparse (as Common Crawl turns WARC into
 WET); every other record type (``warcinfo``, ``request``, ...), non-HTML or non-200 responses, and every
-damaged record is emitted already dropped, with the reason. Record-level damage (a record cut short by a
-truncated gzip member, a failed block digest, a payload that is not UTF-8) is a counted drop. File-level damage (not a WARC file at all, a gzip stream that stops
+damaged record is emitted already dropped, with the reason.
+
+Record-level damage (a record cut short by a truncated gzip member, a failed block digest, a payload that is
+not UTF-8) is a counted drop. File-level damage (not a WARC file at all, a gzip stream that stops
 decompressing mid-file) raises :class:`PipelineInputError` naming the file, or, with
 ``on_corrupt_file: drop``, becomes one dropped row standing for the unreadable rest of the file.
 """
