@@ -591,8 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.repeat = args.repeat or (2 if args.quick else 8)
     n_planted = args.planted or (120 if args.quick else 300)
-    command = "cd " + shlex.quote(str(ROOT)) + " && .venv/bin/python bench/pipeline_bench.py " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = " ".join(["cd", shlex.quote(str(ROOT)), "&&", ".venv/bin/python", "bench/pipeline_bench.py",
+                        *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
 
     tmp = None
     if args.workdir:
