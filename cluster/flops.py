@@ -6,7 +6,7 @@ C = 6ND by Hoffmann et al. 2022). Attention's s²-terms are left out, as both pa
 percent at the sequence lengths here. Worked checks: GPT-3 175B on 300B tokens ≈ 3.15e23 (Brown et al.
 2020 report 3.14e23); Llama 3.1 405B on 15.6T tokens ≈ 3.8e25 (Dubey et al. 2024 report 3.8e25).
 
-MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM App. B) is achieved model FLOP/s over the peak;
+MFU (model FLOPs utilisation, defined in the PaLM paper, Chowdhery et al. 2022) is achieved model FLOP/s over the peak;
 0.4 is a typical well-tuned large-scale figure (Llama 3 405B reports 38-43% BF16 MFU).
 """
 

@@ -2,7 +2,7 @@
 
 Why dense: NVIDIA datasheets headline tensor throughput "with sparsity" (2:4 structured sparsity), which is
 2× the dense rate. LLM pretraining runs dense GEMMs, so MFU is always quoted against the dense peak
-(PaLM, Chowdhery et al. 2022, App. B; Llama 3, Dubey et al. 2024, §3.3). Each entry below halves the
+(PaLM, Chowdhery et al. 2022; Llama 3, Dubey et al. 2024). Each entry below halves the
 datasheet's sparse figure where the datasheet only gives that one.
 
 Why decimal GB for memory: datasheets print "80GB"; CUDA reports slightly more usable bytes on HBM parts

@@ -3,7 +3,7 @@
 Cross-field rules live here so a bad spec fails before any arithmetic, with a message naming the fields:
 TP·PP·DP·CP must equal the GPU count, TP must fit inside one node (tensor-parallel all-reduces sit on the
 critical path of every layer and need NVLink-class bandwidth: Narayanan et al. 2021, "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.3 / Takeaway #1), heads must
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Takeaway #1), heads must
 split evenly over TP, and the GPU type must be in the table.
 """
 
@@ -21,7 +21,7 @@ from cluster.model_shape import gpt_param_count
 
 Precision = Literal["bf16", "fp16"]
 FsdpSharding = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
-# PyTorch FSDP sharding strategies and the ZeRO stage each one is (FSDP paper, Zhao et al. 2023, §3.1).
+# PyTorch FSDP sharding strategies and the ZeRO stage each one is (PyTorch FSDP, Zhao et al. 2023).
 FSDP_TO_ZERO: dict[str, int] = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}
 
 

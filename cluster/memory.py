@@ -116,7 +116,7 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1, c
 def fsdp_gather_bytes(block_params: float, tp: int = 1, weight_bytes: float = 2.0, units: int = 2) -> float:
     """Unsharded weights FSDP/ZeRO-3 materialises at once: the current block plus the prefetched next one.
 
-    Zhao et al. 2023 ("PyTorch FSDP", §3.2-3.3): each FSDP unit is all-gathered before use and freed after,
-    with the next unit prefetched, so ≈2 units are resident at peak.
+    Zhao et al. 2023 ("PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"): each FSDP unit is
+    all-gathered before use and freed after, with the next unit prefetched, so ≈2 units are resident at peak.
     """
     return units * weight_bytes * block_params / tp

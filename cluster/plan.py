@@ -196,7 +196,8 @@ def render(plan: Plan, console: Console) -> None:
         t.add_row("interval √(2·C·MTBF)", _duration(k.young_interval_seconds))
         t.add_row("interval (Daly, higher order)", _duration(k.daly_interval_seconds))
         t.add_row("lost work per failure", _duration(k.expected_lost_seconds_per_failure))
-        t.add_row("expected failures", f"{k.expected_failures:,.2f}")
+        if k.expected_failures is not None:
+            t.add_row("expected failures", f"{k.expected_failures:,.2f}")
         t.add_row("overhead", f"{k.overhead_fraction:.2%} of wall time")
         console.print(t)
 

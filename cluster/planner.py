@@ -91,7 +91,7 @@ class CheckpointPlan(BaseModel):
     young_interval_seconds: float
     daly_interval_seconds: float
     expected_lost_seconds_per_failure: float
-    expected_failures: float
+    expected_failures: float | None
     overhead_fraction: float
 
 
@@ -154,7 +154,7 @@ def build_plan(spec: JobSpec, mfu: float | None = None) -> Plan:
         seq_len=seq_len,
     )
     compute = _compute_plan(spec, n_params, mfu)
-    checkpoint = _checkpoint_plan(spec, compute)
+    checkpoint = _checkpoint_plan(spec, compute, notes)
     batch = _batch_plan(spec, seq_len)
     par = spec.parallelism
     parallelism = ParallelismPlan(
@@ -302,7 +302,7 @@ def _memory_plan(spec: JobSpec, n_params: float, seq_len: int, notes: list[str])
     )
 
 
-def _checkpoint_plan(spec: JobSpec, compute: ComputePlan) -> CheckpointPlan | None:
+def _checkpoint_plan(spec: JobSpec, compute: ComputePlan, notes: list[str]) -> CheckpointPlan | None:
     r = spec.reliability
     if r is None:
         return None
@@ -311,10 +311,16 @@ def _checkpoint_plan(spec: JobSpec, compute: ComputePlan) -> CheckpointPlan | No
     mtbf = r.mtbf_hours * HOUR / units
     interval = checkpointing.young_interval(r.checkpoint_seconds, mtbf)
     overhead = checkpointing.overhead_fraction(interval, r.checkpoint_seconds, mtbf, r.restart_seconds)
-    # Useful work is (1 − overhead) of wall time, so wall time stretches by 1/(1 − overhead).
-    stretch = 1.0 / (1.0 - overhead) if overhead < 1 else math.inf
-    compute.wall_clock_days_with_failures = compute.wall_clock_days * stretch
-    wall_seconds = compute.wall_clock_days_with_failures * 24 * HOUR
+    expected_failures = None
+    if overhead < 1:
+        # Useful work is (1 − overhead) of wall time, so wall time stretches by 1/(1 − overhead).
+        compute.wall_clock_days_with_failures = compute.wall_clock_days / (1.0 - overhead)
+        expected_failures = compute.wall_clock_days_with_failures * 24 * HOUR / mtbf
+    else:
+        notes.append(
+            f"checkpoint writes and failures cost {overhead:.0%} of wall time: the job would never finish; "
+            "make checkpoints cheaper (async/sharded writes) or the job more reliable"
+        )
     return CheckpointPlan(
         checkpoint_seconds=r.checkpoint_seconds,
         mtbf_seconds=mtbf,
@@ -324,7 +330,7 @@ def _checkpoint_plan(spec: JobSpec, compute: ComputePlan) -> CheckpointPlan | No
         expected_lost_seconds_per_failure=checkpointing.expected_lost_seconds(
             interval, r.checkpoint_seconds, r.restart_seconds
         ),
-        expected_failures=wall_seconds / mtbf,
+        expected_failures=expected_failures,
         overhead_fraction=overhead,
     )
 

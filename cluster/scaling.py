@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from cluster.flops import training_flops
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
-# Hoffmann et al. 2022, eq. (10) fit; the values Sardana et al. 2023 also build on.
+# Hoffmann et al. 2022's fitted constants (Approach 3), the values Sardana et al. 2023 also build on.
 E_LOSS, A_LOSS, B_LOSS, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
 
 
