@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,7 @@ def test_global_batch_is_the_same_sequences_for_any_world_size() -> None:
 
 def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> None:  # noqa: F811
     manifest = load_manifest(token_dir)
+
     def loader() -> TrainBatches:
         return TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, torch.device("cpu"))
 
@@ -110,5 +112,5 @@ def test_learning_rate_warms_up_then_decays_to_the_floor() -> None:
     config = load_config(None, {"optimizer.lr": 1.0, "optimizer.warmup_steps": 10, "optimizer.min_lr_ratio": 0.1})
     lrs = [learning_rate(s, 100, config.optimizer) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
     assert lrs[-1] == pytest.approx(0.1)

@@ -34,7 +34,7 @@ def test_good_data_fills_vocab_from_manifest(token_dir: Path, tmp_path: Path) ->
 
 def test_data_dir_without_manifest(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PreflightError, match="no manifest.json"):
+    with pytest.raises(PreflightError, match=r"no manifest\.json"):
         check_data(config_for(tmp_path / "empty", tmp_path))
 
 
@@ -43,7 +43,8 @@ def test_manifest_vocab_disagrees_with_tokenizer(token_dir: Path, tmp_path: Path
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["tokenizer"]["vocab_size"] = 1024
     (data / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(PreflightError, match=r"vocab mismatch: manifest says vocab_size=1024 but tokenizer.json has 512"):
+    message = r"vocab mismatch: manifest says vocab_size=1024 but tokenizer\.json has 512"
+    with pytest.raises(PreflightError, match=message):
         check_data(config_for(data, tmp_path))
 
 

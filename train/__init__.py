@@ -1,1 +1,1 @@
-"""train"""
+"""train: GPT pretraining on the pipeline's token shards with Ray Train (see train/README.md)."""

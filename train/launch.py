@@ -29,11 +29,9 @@ def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
     config.data_dir = str(Path(config.data_dir).resolve())
 
     if not ray.is_initialized():
-        runtime_env = None
-        if address:
-            # A remote cluster does not have this checkout: ship the package with the job.
-            runtime_env = {"py_modules": [str(Path(__file__).parent)]}
-        ray.init(address=address, runtime_env=runtime_env)
+        # Local Ray by default. On a cluster, submit with `ray job submit --working-dir .` (see
+        # cluster/jobs/submit_train.sh) so the workers import this same checkout.
+        ray.init(address=address)
     check_resources(config, ray.cluster_resources())
 
     output.mkdir(parents=True, exist_ok=True)

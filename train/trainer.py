@@ -94,19 +94,24 @@ class Trainer(Stateful):
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
         while self.step < self.config.steps:
-            record = self.train_step()
-            step = record["step"]
-            last = step == self.config.steps - 1
-            interval = self.config.data.eval_interval
-            if last or (interval > 0 and (step + 1) % interval == 0):
-                record["val_loss"] = self.evaluate()
-            if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
-                self.check_replicas()
-            mc = self.config.metrics
-            report = last or step % mc.ray_report_interval == 0
-            if report or step % mc.log_interval == 0 or "val_loss" in record:
-                self.metrics.log(self._with_memory(record), report=report)
+            self.run_step()
         self.finish()
+
+    def run_step(self) -> dict[str, Any]:
+        """One optimizer step plus what the schedule asks for at it: validation, replica check, logging."""
+        record = self.train_step()
+        step = record["step"]
+        last = step == self.config.steps - 1
+        interval = self.config.data.eval_interval
+        if last or (interval > 0 and (step + 1) % interval == 0):
+            record["val_loss"] = self.evaluate()
+        if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
+            self.check_replicas()
+        mc = self.config.metrics
+        report = last or step % mc.ray_report_interval == 0
+        if report or step % mc.log_interval == 0 or "val_loss" in record:
+            self.metrics.log(self._with_memory(record), report=report)
+        return record
 
     def train_step(self) -> dict[str, Any]:
         step = self.step

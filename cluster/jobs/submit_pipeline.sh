@@ -6,7 +6,7 @@ set -euo pipefail
 
 RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 # Outputs must live on storage every node can reach (an EFS/NFS mount, or object storage the stage supports):
-# Ray Data writes from whichever worker runs the task.
+# the job driver (on the head node) writes them, and training workers on other nodes read them.
 SHARED="${SHARED:-/mnt/shared/raylm}"
 INPUT="${INPUT:-data/sample}"   # a directory or a glob; relative paths resolve inside the uploaded working dir
 

@@ -1,0 +1,110 @@
+"""python -m serve --model DIR [--port 8000]: deploy the completions app (and optionally the canary) on Ray Serve.
+
+Runs on a local Ray by default, or on a cluster with ``--address auto`` / ``RAY_ADDRESS``; blocks until
+Ctrl-C, then shuts Serve down. The same application deploys from a config file with
+``serve run serve/serve_config.yaml`` (or ``serve deploy`` to a running cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    # About one full batch per replica: beyond that, requests only queue inside the engine.
+    "target_ongoing_requests": 8,
+    "upscale_delay_s": 10,
+    "downscale_delay_s": 120,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="export dir (python -m train.export --output)")
+    parser.add_argument("--name", help="model name clients send and /v1/models lists (default: dir name)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: local)")
+    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences per decode step per replica")
+    parser.add_argument("--max-ongoing-requests", type=int, default=32, help="Serve's per-replica concurrency cap")
+    parser.add_argument("--num-replicas", type=int, help="fixed replica count (default: autoscale 1..2)")
+    parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica")
+    parser.add_argument(
+        "--metrics-sd-dir",
+        default=os.environ.get("RAYLM_PROM_SD_DIR", "/tmp/raylm/prom_sd"),
+        help="where replicas write Prometheus file_sd targets",
+    )
+    parser.add_argument("--canary-evalset", help="JSONL eval set: also deploy the scheduled canary")
+    parser.add_argument("--canary-interval", type=float, default=300.0, help="seconds between canary runs")
+    parser.add_argument("--canary-min-score", type=float, help="alert threshold exported with the canary score")
+    return parser.parse_args(argv)
+
+
+def app_args(args: argparse.Namespace) -> dict:
+    out = {
+        "model": args.model,
+        "model_name": args.name,
+        "max_batch_size": args.max_batch_size,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "replica_cpus": args.replica_cpus,
+        "metrics_host": "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host,
+        "metrics_sd_dir": args.metrics_sd_dir,
+    }
+    if args.num_replicas is not None:
+        out["num_replicas"] = args.num_replicas
+    else:
+        out["autoscaling_config"] = DEFAULT_AUTOSCALING
+    if args.canary_evalset:
+        out.update(
+            canary_evalset=os.path.abspath(args.canary_evalset),
+            canary_interval=args.canary_interval,
+            canary_endpoint=f"http://127.0.0.1:{args.port}",
+            canary_min_score=args.canary_min_score,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+    from ray import serve
+
+    from serve.app import build_app
+    from serve.model_dir import ModelDirError, load_model_dir
+
+    try:
+        load_model_dir(args.model)  # fail here, with a clear message, rather than in a replica's log
+    except ModelDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ray.init(address=args.address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(app_args(args)), name="raylm", route_prefix="/")
+    base = f"http://{args.host}:{args.port}"
+    print(
+        json.dumps(
+            {
+                "endpoint": f"{base}/v1/completions",
+                "models": f"{base}/v1/models",
+                "prometheus_file_sd": args.metrics_sd_dir,
+            }
+        ),
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The canary's eval set: held-out documents from a pipeline output dir, as a versioned JSONL file.
+
+Every line is self-describing: ``{"eval_set", "version", "id", "kind": "loglik", "text", "source"}``.
+The version is a hash of the items' texts, so the same documents always give the same version and
+any change to the set gives a new one; the canary labels its gauges ``eval_set="<name>@<version>"``,
+which keeps scores of different sets from ever being compared by an alert.
+
+Documents come from the pipeline's val split (``documents/val-*.parquet``, column ``text``) — text
+the model was not trained on — in file and row order, so rebuilding is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+
+class EvalSetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    name: str
+    version: str
+    items: tuple[EvalItem, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+def _truncate(text: str, max_chars: int) -> str:
+    """Cut at the last whitespace before max_chars, so no item ends inside a word."""
+    if len(text) <= max_chars:
+        return text
+    cut = text.rfind(" ", 0, max_chars)
+    return text[: cut if cut > max_chars // 2 else max_chars]
+
+
+def version_of(texts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()[:12]
+
+
+def build_evalset(
+    data_dir: str | Path,
+    output: str | Path,
+    name: str = "val-loglik",
+    items: int = 16,
+    min_chars: int = 200,
+    max_chars: int = 1200,
+) -> EvalSet:
+    files = sorted((Path(data_dir) / "documents").glob("val-*.parquet"))
+    if not files:
+        raise EvalSetError(f"{data_dir}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
+    picked: list[tuple[str, str]] = []
+    for path in files:
+        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+        for row, text in enumerate(texts):
+            if text and len(text.strip()) >= min_chars:
+                picked.append((f"{path.stem}:{row}", _truncate(text.strip(), max_chars)))
+            if len(picked) == items:
+                break
+        if len(picked) == items:
+            break
+    if not picked:
+        raise EvalSetError(f"no val document in {data_dir} has {min_chars}+ characters")
+    version = version_of([t for _, t in picked])
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as fh:
+        for item_id, text in picked:
+            line = {"eval_set": name, "version": version, "id": item_id, "kind": "loglik", "text": text}
+            line["source"] = str(Path(data_dir).resolve())
+            fh.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return EvalSet(name, version, tuple(EvalItem(i, t) for i, t in picked))
+
+
+def load_evalset(path: str | Path) -> EvalSet:
+    lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise EvalSetError(f"{path} is empty")
+    names = {(line["eval_set"], line["version"]) for line in lines}
+    if len(names) != 1:
+        raise EvalSetError(f"{path} mixes eval sets/versions: {sorted(names)}")
+    if any(line.get("kind") != "loglik" for line in lines):
+        raise EvalSetError(f"{path}: only kind=loglik items are supported")
+    items = tuple(EvalItem(line["id"], line["text"]) for line in lines)
+    name, version = names.pop()
+    if version_of([i.text for i in items]) != version:
+        raise EvalSetError(f"{path}: texts do not match version {version} (edited by hand?)")
+    return EvalSet(name, version, items)

@@ -1,0 +1,266 @@
+"""Serving metrics: the OpenTelemetry SDK, exported for Prometheus by a per-replica scrape endpoint.
+
+Why this route (see /work/shared/notes-serving.md): OTel's Prometheus exporter has no multiprocessing
+support and every Ray Serve replica is its own process, so each replica gets its own MeterProvider, its
+own ``prometheus_client`` registry and its own HTTP scrape port (0 = any free port). Prometheus finds
+the replicas through file-based service discovery: each replica writes
+``<sd_dir>/raylm-serve-<replica>.json`` naming its ``host:port`` and removes it on shutdown, so
+autoscaled replicas appear and disappear without config changes. Ray's own metrics pipeline
+(``ray.serve.metrics``) would work across processes too, but it renames everything with a ``ray_``
+prefix and reports every ~10 s; with this exporter Prometheus sees the GenAI names as the OTel
+Prometheus compatibility rules spell them:
+
+    gen_ai.server.time_to_first_token      histogram s   -> gen_ai_server_time_to_first_token_seconds_*
+    gen_ai.server.time_per_output_token    histogram s   -> gen_ai_server_time_per_output_token_seconds_*
+    gen_ai.server.request.duration         histogram s   -> gen_ai_server_request_duration_seconds_*
+    raylm.server.queue_time                histogram s   -> raylm_server_queue_time_seconds_*
+    raylm.server.token.usage               counter       -> raylm_server_token_usage_total{gen_ai_token_type}
+    raylm.server.requests                  counter       -> raylm_server_requests_total{status_code, finish_reason}
+    raylm.server.requests.running/.waiting up-down (obs) -> raylm_server_requests_running / _waiting
+    raylm.gpu.utilization / .memory.used   gauges (NVML) -> raylm_gpu_utilization, raylm_gpu_memory_used_bytes,
+                                                            only where a CUDA device and pynvml exist
+
+The spec's token metric, ``gen_ai.client.token.usage``, is a *client* histogram of tokens per call; a
+server wants a rate of tokens, so the server-side equivalent here is a counter with the same
+``gen_ai.token.type`` (input/output) attribute, under our own namespace rather than a spec name it
+does not match. Every series carries ``gen_ai_request_model`` and ``raylm_lineage_id``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
+from prometheus_client import CollectorRegistry, start_http_server
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SD_DIR = Path(os.environ.get("RAYLM_PROM_SD_DIR", "/tmp/raylm/prom_sd"))
+
+# Bucket boundaries: the GenAI semantic conventions' advisory values for TTFT (0.001 .. 10 s) and TPOT
+# (0.01 .. 2.5 s), https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics. TPOT gets three
+# extra low buckets: a small model on CPU decodes a token in a few milliseconds, and with the spec's
+# first bucket at 10 ms every observation would land in it and every quantile would read "< 10 ms".
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# End-to-end and queue time: the conventions' operation-duration buckets (0.01 .. 81.92 s, doubling),
+# prefixed with 1 ms and 5 ms so that an idle replica's near-zero queue time is resolved.
+DURATION_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+
+OPERATION = "text_completion"
+
+
+class ServeMetrics:
+    """All instruments of one replica, plus its scrape endpoint and service-discovery file."""
+
+    def __init__(
+        self,
+        model_name: str,
+        lineage_id: str,
+        state: Callable[[], tuple[int, int]],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sd_dir: str | Path | None = DEFAULT_SD_DIR,
+        instance_name: str | None = None,
+    ) -> None:
+        """``state()`` returns (running, waiting) for the up-down gauges, read at scrape time."""
+        self.attrs = {
+            "gen_ai.operation.name": OPERATION,
+            "gen_ai.request.model": model_name,
+            "raylm.lineage.id": lineage_id,
+        }
+        self._state = state
+        self.registry = CollectorRegistry(auto_describe=True)
+        reader = PrometheusMetricReader(registry=self.registry)
+        self.provider = MeterProvider(
+            metric_readers=[reader],
+            resource=Resource.create({"service.name": "raylm-serve", "service.instance.id": instance_name or ""}),
+        )
+        meter = self.provider.get_meter("raylm.serve")
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time from request arrival to the first generated token, successful requests.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="(e2e - TTFT) / (output tokens - 1) per successful request with two or more tokens.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )
+        self.duration = meter.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Time from request arrival to the last token, successful requests.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.queue_time = meter.create_histogram(
+            "raylm.server.queue_time",
+            unit="s",
+            description="Time a request waited for a batch slot (arrival to prefill).",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.tokens = meter.create_counter(
+            "raylm.server.token.usage", unit="{token}", description="Prompt (input) and generated (output) tokens."
+        )
+        self.requests = meter.create_counter(
+            "raylm.server.requests", unit="{request}", description="Finished requests by HTTP status and finish reason."
+        )
+        meter.create_observable_up_down_counter(
+            "raylm.server.requests.running",
+            callbacks=[self._observe_running],
+            unit="{request}",
+            description="Requests holding a batch slot.",
+        )
+        meter.create_observable_up_down_counter(
+            "raylm.server.requests.waiting",
+            callbacks=[self._observe_waiting],
+            unit="{request}",
+            description="Requests queued for a batch slot.",
+        )
+        self.gpu = _register_nvml(meter, self.attrs)
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.host = advertised_host(host)
+        self.port = self._server.server_port
+        self.sd_file = self._write_sd(Path(sd_dir), instance_name or f"pid{os.getpid()}") if sd_dir else None
+
+    # ---- recording ---------------------------------------------------------------------------------------
+
+    def observe_success(self, ttft: float, e2e: float, output_tokens: int) -> None:
+        self.ttft.record(ttft, self.attrs)
+        self.duration.record(e2e, self.attrs)
+        if output_tokens >= 2:
+            self.tpot.record((e2e - ttft) / (output_tokens - 1), self.attrs)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue_time.record(seconds, self.attrs)
+
+    def add_tokens(self, kind: str, n: int) -> None:
+        if n:
+            self.tokens.add(n, {**self.attrs, "gen_ai.token.type": kind})
+
+    def count_request(self, status_code: int, finish_reason: str) -> None:
+        """finish_reason: stop | length | abort (client went away) | error (4xx/5xx before or during generation)."""
+        self.requests.add(1, {**self.attrs, "status_code": str(status_code), "finish_reason": finish_reason})
+
+    def _observe_running(self, options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self._state()[0], self.attrs)
+
+    def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(self._state()[1], self.attrs)
+
+    # ---- scrape target -----------------------------------------------------------------------------------
+
+    def _write_sd(self, sd_dir: Path, instance_name: str) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance_name)
+        labels = {"raylm_component": "serve", "raylm_replica": instance_name}
+        return write_sd_target(sd_dir, f"raylm-serve-{safe}.json", self.host, self.port, labels)
+
+    def close(self) -> None:
+        if self.sd_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.sd_file.unlink()
+        self._server.shutdown()
+        self._server.server_close()
+        self.provider.shutdown()
+
+
+def advertised_host(bind: str) -> str:
+    """The address Prometheus should scrape: the bind address, or this node's IP for a wildcard bind."""
+    if bind not in ("0.0.0.0", "::", ""):
+        return bind
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def write_sd_target(sd_dir: Path, filename: str, host: str, port: int, labels: dict[str, str]) -> Path:
+    """Write a Prometheus file_sd target atomically (Prometheus may read the file at any moment).
+
+    The file records its writer's hostname and pid; dead writers' files on this host are pruned first,
+    so a replica killed without a graceful shutdown does not stay a down target forever.
+    """
+    sd_dir.mkdir(parents=True, exist_ok=True)
+    prune_dead_targets(sd_dir)
+    path = sd_dir / filename
+    owner = {"hostname": socket.gethostname(), "pid": str(os.getpid())}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": {**labels, **owner}}]))
+    tmp.replace(path)
+    return path
+
+
+def prune_dead_targets(sd_dir: Path) -> None:
+    host = socket.gethostname()
+    for path in sd_dir.glob("raylm-*.json"):
+        try:
+            labels = json.loads(path.read_text())[0]["labels"]
+            if labels.get("hostname") != host:
+                continue
+            os.kill(int(labels["pid"]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue  # unreadable, another user's process, or a file mid-write: leave it alone
+
+
+def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:
+    """GPU utilisation and memory from NVML, only where a CUDA device and pynvml exist.
+
+    On a CPU replica nothing is registered: an absent series says "no GPU", a zero would say "idle GPU".
+    """
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import pynvml  # from nvidia-ml-py; optional
+
+        pynvml.nvmlInit()
+    except Exception:  # no GPU, no pynvml or no driver: the metric does not exist here
+        return False
+    index = torch.cuda.current_device()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    gpu_attrs = {**attrs, "gpu.index": str(index)}
+
+    def utilization(options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0, gpu_attrs)
+
+    def memory(options: CallbackOptions) -> Iterable[Observation]:
+        yield Observation(pynvml.nvmlDeviceGetMemoryInfo(handle).used, gpu_attrs)
+
+    meter.create_observable_gauge("raylm.gpu.utilization", callbacks=[utilization], unit="1")  # type: ignore[attr-defined]
+    meter.create_observable_gauge("raylm.gpu.memory.used", callbacks=[memory], unit="By")  # type: ignore[attr-defined]
+    return True

@@ -1,0 +1,99 @@
+"""Alert rules, Prometheus config and the Grafana dashboard, checked with the real promtool."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+
+
+def find_binary(name: str) -> str:
+    """promtool / prometheus from PATH or Debian's /usr/bin (dashboards/install_prometheus.sh installs them)."""
+    found = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
+    if found is None:
+        pytest.fail(f"{name} not found: run dashboards/install_prometheus.sh")
+    return found
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([find_binary("promtool"), *args], cwd=DASHBOARDS, capture_output=True, text=True, timeout=120)
+
+
+def test_promtool_unit_tests_pass_for_every_rule() -> None:
+    result = promtool("test", "rules", "alerts_test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_every_alert_has_a_firing_and_a_non_firing_case() -> None:
+    rules = yaml.safe_load((DASHBOARDS / "alerts.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    cases = yaml.safe_load((DASHBOARDS / "alerts_test.yml").read_text())["tests"]
+    fires, silent = set(), set()
+    for case in cases:
+        for check in case.get("alert_rule_test", []):
+            (fires if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert len(alerts) == 6
+    assert alerts <= fires, f"no firing case for {alerts - fires}"
+    assert alerts <= silent, f"no non-firing case for {alerts - silent}"
+
+
+def test_rules_and_config_pass_promtool_checks() -> None:
+    rules = promtool("check", "rules", "alerts.yml")
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    config = promtool("check", "config", "prometheus.yml")
+    assert config.returncode == 0, config.stdout + config.stderr
+    assert "1 rule files found" in config.stdout
+
+
+def test_prometheus_config_discovers_replicas_canary_and_ray() -> None:
+    config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+    files = {job["job_name"]: job["file_sd_configs"][0]["files"] for job in config["scrape_configs"]}
+    assert files["ray"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+    assert files["raylm-serve"] == ["/tmp/raylm/prom_sd/raylm-serve-*.json"]
+    assert files["raylm-canary"] == ["/tmp/raylm/prom_sd/raylm-canary-*.json"]
+
+
+def test_dashboard_is_provisionable_json_with_the_required_panels() -> None:
+    dashboard = json.loads((DASHBOARDS / "grafana" / "raylm-serving.json").read_text())
+    assert dashboard["uid"] == "raylm-serving" and dashboard["schemaVersion"] >= 36
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
+    for needle in (
+        "histogram_quantile(0.99, sum by (le) (rate(gen_ai_server_time_to_first_token_seconds_bucket",
+        "histogram_quantile(0.95, sum by (le) (rate(gen_ai_server_time_per_output_token_seconds_bucket",
+        "raylm_server_token_usage_total",
+        "raylm_server_queue_time_seconds_bucket",
+        "raylm_server_requests_running",
+        "raylm_server_requests_waiting",
+        'status_code=~"5.."',
+        "raylm_canary_score",
+    ):
+        assert needle in exprs, needle
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        assert panel["targets"] and all(t["refId"] for t in panel["targets"])
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    provider = yaml.safe_load((DASHBOARDS / "grafana/provisioning/dashboards/raylm.yaml").read_text())
+    assert provider["apiVersion"] == 1 and provider["providers"][0]["type"] == "file"
+    datasource = yaml.safe_load((DASHBOARDS / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert datasource["datasources"][0]["type"] == "prometheus"
+
+
+def test_install_script_is_idempotent_when_binaries_exist() -> None:
+    find_binary("promtool"), find_binary("prometheus")
+    if not (shutil.which("promtool") and shutil.which("prometheus")):
+        pytest.skip("binaries are in /usr/bin but not on PATH: the script would install")
+    result = subprocess.run(
+        ["bash", str(DASHBOARDS / "install_prometheus.sh")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "already installed" in result.stdout
