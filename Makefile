@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m pipeline run --input data/sample --output $(DEMO)/data --overwrite
+	$(BIN)/python -m pipeline run --input data/sample --output $(DEMO)/data --overwrite \
+		--config pipeline/configs/demo.yaml
+	$(BIN)/python -m train --data $(DEMO)/data --output $(DEMO)/train --strategy ddp --workers 2 \
+		--steps 200 --config train/configs/demo.yaml
+	$(BIN)/python -m train.export --run $(DEMO)/train --output $(DEMO)/model
 
 test: $(STAMP)
 	$(BIN)/ruff check .

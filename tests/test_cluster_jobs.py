@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from conftest import REPO
+
+from cluster.trainer_memory import predict_trainer_state_bytes
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RUNTIME_ENV = REPO / "cluster" / "jobs" / "runtime_env.yaml"
@@ -84,9 +87,18 @@ def test_pipeline_and_training_jobs_run_on_a_started_cluster(head, tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     assert sum(s["tokens"] for s in manifest["shards"]) > 10_000
 
-    submit(address, env, "python", "-m", "train", "--data", str(data), "--output", str(run), "--strategy", "ddp",
+    submit(address, env, "python", "-m", "train", "--data", str(data), "--output", str(run), "--strategy", "fsdp",
            "--workers", "2", "--steps", "4", "--config", "train/configs/demo.yaml")
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert sorted({m["step"] for m in steps}) == [0, 1, 2, 3] and steps[-1]["world_size"] == 2
     assert all(np.isfinite(m["loss"]) for m in steps)
+
+    # The capacity planner's per-rank prediction for this very run, against what each rank measured.
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    predicted = predict_trainer_state_bytes(
+        model["n_layer"], model["n_head"], model["n_embd"], model["block_size"],
+        manifest["tokenizer"]["vocab_size"], model["bias"], "fsdp", 2,
+    )
+    for measured in steps[-1]["state_bytes"]:
+        assert abs(predicted - measured) <= 0.2 * measured
