@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 DEMO   ?= runs/demo
+PORT   ?= 8000
 
 .PHONY: env demo test lint clean
 
@@ -25,8 +26,12 @@ demo: $(STAMP)
 	$(BIN)/python -m train --data $(DEMO)/data --output $(DEMO)/train --strategy ddp --workers 2 \
 		--steps 200 --config train/configs/demo.yaml
 	$(BIN)/python -m train.export --run $(DEMO)/train --output $(DEMO)/model
+	$(BIN)/python -m serve.canary build --data $(DEMO)/data --output $(DEMO)/canary-evalset.jsonl
+	$(BIN)/python -m serve --model $(DEMO)/model --port $(PORT) --canary-evalset $(DEMO)/canary-evalset.jsonl \
+		--canary-interval 60 --smoke
 
 test: $(STAMP)
+	bash dashboards/install_prometheus.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--canary-evalset", help="JSONL eval set: also deploy the scheduled canary")
     parser.add_argument("--canary-interval", type=float, default=300.0, help="seconds between canary runs")
     parser.add_argument("--canary-min-score", type=float, help="alert threshold exported with the canary score")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="after deploying: stream one completion, run the canary once, print the metrics and dashboard "
+        "locations; then keep serving when attached to a terminal, or shut down when not (scripts, CI)",
+    )
+    parser.add_argument("--smoke-prompt", default="The history of the", help="prompt for the --smoke completion")
     return parser.parse_args(argv)
 
 
@@ -96,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    if args.smoke:
+        from serve.smoke import run_smoke
+
+        run_smoke(f"http://127.0.0.1:{args.port}", args.smoke_prompt, 48, args.canary_evalset, args.metrics_sd_dir)
+        if not sys.stdin.isatty():
+            serve.shutdown()
+            return 0
+        print("serving; Ctrl-C to stop", flush=True)
     try:
         while True:
             time.sleep(3600)

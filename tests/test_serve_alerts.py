@@ -90,7 +90,8 @@ def test_dashboard_is_provisionable_json_with_the_required_panels() -> None:
 
 
 def test_install_script_is_idempotent_when_binaries_exist() -> None:
-    find_binary("promtool"), find_binary("prometheus")
+    find_binary("promtool")
+    find_binary("prometheus")
     if not (shutil.which("promtool") and shutil.which("prometheus")):
         pytest.skip("binaries are in /usr/bin but not on PATH: the script would install")
     result = subprocess.run(

@@ -1,4 +1,5 @@
-"""python -m train --data DIR --output DIR --strategy single|ddp|fsdp --workers N --steps N [--config FILE.yaml]"""
+"""python -m train --data DIR --output DIR --strategy single|ddp|fsdp --workers N --steps N [--config FILE.yaml]
+[--resume]"""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="override any config key, e.g. --set optimizer.lr=3e-4 --set parallel.precision=bf16 (repeatable)",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest good checkpoint in --output (same or different --workers; "
+        "a different world size reshards model and optimizer state)",
+    )
+    parser.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
         help="Ray cluster address ('auto' for a running cluster; default: RAY_ADDRESS or a local Ray)",
@@ -48,6 +55,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key in (("strategy", "parallel.strategy"), ("workers", "parallel.workers"), ("steps", "steps")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
+    if args.resume:
+        overrides["checkpoint.resume"] = True
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from checkpoints.config import CheckpointConfig
 from train.model import GPTConfig
 
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -83,6 +84,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps: int = 200
     data_dir: str = ""
     output_dir: str = ""
@@ -100,6 +102,13 @@ class TrainConfig:
             raise ConfigError(f"strategy 'single' runs one worker; got workers={p.workers} (use ddp or fsdp)")
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        c = self.checkpoint
+        if c.interval_steps < 0 or c.interval_seconds < 0:
+            raise ConfigError("checkpoint.interval_steps and checkpoint.interval_seconds must be >= 0 (0: off)")
+        if c.num_to_keep is not None and c.num_to_keep < 1:
+            raise ConfigError(f"checkpoint.num_to_keep must be >= 1 or null (keep all), got {c.num_to_keep}")
+        if c.rollback_after_bad > 0 and not c.enabled:
+            raise ConfigError("checkpoint.rollback_after_bad needs checkpoint.enabled")
         per_step = d.micro_batch_size * p.workers
         if d.global_batch_size % per_step != 0:
             raise ConfigError(

@@ -8,22 +8,33 @@ from typing import Any
 
 import ray
 import yaml
-from ray.train import RunConfig, ScalingConfig, WorkerGroupError
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
 
 from train.config import TrainConfig
 from train.curves import format_summary, summarize
 from train.guard import TrainingDiverged
 from train.parallel import ReplicaMismatch
-from train.preflight import check_data, check_extras, check_resources
+from train.preflight import check_checkpoints, check_data, check_extras, check_resources
 from train.trainer import train_loop_per_worker
+
+
+def ray_checkpoint_config(config: TrainConfig, has_val: bool) -> CheckpointConfig:
+    """Retention by Ray Train's checkpoint manager: it keeps the ``num_to_keep`` best by the reported
+    val_loss (every checkpoint reports one when there is a val split) and never deletes the latest,
+    so the best and the latest both survive. Without a val split: the most recent ones."""
+    return CheckpointConfig(
+        num_to_keep=config.checkpoint.num_to_keep,
+        checkpoint_score_attribute="val_loss" if has_val else None,
+        checkpoint_score_order="min",
+    )
 
 
 def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
     """Validate everything, run training on Ray, return the loss-curve summary."""
     config.validate()
     check_extras(config)
-    check_data(config)  # also fills model.vocab_size
+    manifest = check_data(config)  # also fills model.vocab_size
     output = Path(config.output_dir).resolve()
     config.output_dir = str(output)
     config.data_dir = str(Path(config.data_dir).resolve())
@@ -34,6 +45,7 @@ def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
         ray.init(address=address)
     check_resources(config, ray.cluster_resources())
 
+    check_checkpoints(config, output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     p = config.parallel
@@ -44,7 +56,12 @@ def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
         scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
         # The run dir is Ray Train's run dir (storage_path/name), so its checkpoints land next to
         # metrics.jsonl.
-        run_config=RunConfig(storage_path=str(output.parent), name=output.name),
+        run_config=RunConfig(
+            storage_path=str(output.parent),
+            name=output.name,
+            checkpoint_config=ray_checkpoint_config(config, has_val=bool(manifest.split("val"))),
+            failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
+        ),
     )
     try:
         trainer.fit()

@@ -29,15 +29,18 @@ class MetricsLogger:
         config: TrainConfig,
         is_main: bool,
         reporter: Callable[[dict[str, Any]], None] | None = None,
+        append: bool = False,
     ) -> None:
+        """``append``: a resumed run keeps the records written so far (see ``truncate_from``)."""
         self.is_main = is_main
         self.reporter = reporter
         self.path = Path(config.output_dir) / METRICS_FILE
         self._wandb = None
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # A new run starts a new file; resuming (the checkpoint issue) will append instead.
-            self.path.write_text("")
+            # A new run starts a new file; a resumed one keeps it.
+            if not append or not self.path.exists():
+                self.path.write_text("")
             if config.metrics.wandb and importlib.util.find_spec("wandb") is not None:
                 import wandb
 
@@ -57,6 +60,16 @@ class MetricsLogger:
                 self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
         if report and self.reporter is not None:
             self.reporter(record)
+
+    def truncate_from(self, step: int) -> None:
+        """Drop records of steps >= ``step``: after a resume they are trained again, and the file
+        keeps one record per step, as an uninterrupted run would have written it."""
+        if self.is_main and self.path.exists():
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line)["step"] < step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
 
     def close(self) -> None:
         if self._wandb is not None:

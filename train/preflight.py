@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -83,3 +84,20 @@ def check_resources(config: TrainConfig, cluster: Mapping[str, float]) -> None:
 def check_extras(config: TrainConfig) -> None:
     if config.metrics.wandb and importlib.util.find_spec("wandb") is None:
         raise PreflightError("metrics.wandb is enabled but the wandb package is not installed")
+
+
+def check_checkpoints(config: TrainConfig, run_dir: Path) -> None:
+    """A run dir that already holds checkpoints is continued only on request: Ray Train would hand
+    its latest checkpoint to the workers of any new run there (it restores its checkpoint manager
+    from the run dir), so without --resume a fresh run would silently continue the old one."""
+    from checkpoints.manifest import list_checkpoints
+
+    if config.checkpoint.resume or not run_dir.is_dir():
+        return
+    existing = list_checkpoints(run_dir)
+    if existing or (run_dir / "checkpoint_manager_snapshot.json").exists():
+        names = ", ".join(p.name for p in existing[:3]) or "a Ray checkpoint snapshot"
+        raise PreflightError(
+            f"{run_dir} already holds checkpoints ({names}): pass --resume to continue that run, "
+            "or choose a new --output"
+        )

@@ -1,9 +1,10 @@
 """The trainer: one train loop for every strategy, composed from the components in this package.
 
 ``Trainer`` is a ``torch.distributed.checkpoint.stateful.Stateful``: ``state_dict()`` returns model,
-optimizer (sharded for FSDP, as DCP wants), step, data position, guard-rail history and this rank's
-RNG state, and ``load_state_dict()`` restores them. The checkpoint issue plugs DCP in there, and
-rollback in ``on_bad_step``.
+optimizer (sharded for FSDP, as DCP wants), progress (step, tokens seen, data position, guard-rail
+history, best val loss) and this rank's RNG states under a rank-unique key, and ``load_state_dict()``
+restores them. It composes a ``checkpoints.Checkpointer`` (periodic/best/final saves, resume,
+rollback in ``on_bad_step``).
 
 ``train_loop_per_worker`` is what Ray Train runs on each worker.
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +26,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from checkpoints.checkpointer import Checkpointer
+from checkpoints.rng import capture_rng, restore_rng, rng_key
+from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig, config_from_dict
 from train.curves import plot_loss_curves
 from train.data import TrainBatches, ValBatches
@@ -52,7 +59,10 @@ class Trainer(Stateful):
         config: TrainConfig,
         ctx: DistContext,
         reporter: Callable[[dict[str, Any]], None] | None = None,
+        ray_storage: bool = False,
     ) -> None:
+        """``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage (inside a
+        Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs)."""
         self.config = config
         self.ctx = ctx
         self.manifest = load_manifest(config.data_dir)
@@ -84,18 +94,64 @@ class Trainer(Stateful):
             ctx.rank, ctx.world_size, ctx.device,
         )  # fmt: skip
         self.guard = GuardRail(config.guard)
-        self.metrics = MetricsLogger(config, ctx.is_main, reporter)
+        self.checkpointer: Checkpointer | None = None
+        self.resuming = False
+        if config.checkpoint.enabled:
+            store = RayStore(config.checkpoint.async_save) if ray_storage else LocalStore(config.output_dir)
+            run_info = {
+                "strategy": cfg_par.strategy,
+                "train_config": config.to_dict(),
+                "data_manifest_sha256": self.manifest.sha256,
+            }
+            self.checkpointer = Checkpointer(config.checkpoint, ctx.rank, ctx.world_size, ctx.device, run_info, store)
+            # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
+            # launch, which the driver allows only then): resume whatever the config says.
+            self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
+        self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming)
         self.peak_flops = device_peak_flops(ctx.device, cfg_par.precision, config.metrics.peak_flops_per_device)
         self.tokens_per_step = cfg_data.global_batch_size * cfg_model.block_size
         self.step = 0
         self.peak_state_bytes = 0
         self.bad_steps: list[dict[str, Any]] = []
+        self.best_val_loss = math.inf
+        self.rollbacks: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
+        if self.resuming:
+            self.resume()
         while self.step < self.config.steps:
             self.run_step()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.finish()
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint that verifies (none: start from scratch, and say so)."""
+        assert self.checkpointer is not None
+        restored = self.checkpointer.restore(self)
+        if restored is None:
+            if self.ctx.is_main:
+                print("[checkpoint] resume requested but no loadable checkpoint found: starting at step 0", flush=True)
+            self.metrics.truncate_from(0)
+            return
+        self.metrics.truncate_from(self.step)
+        if self.ctx.is_main:
+            print(
+                f"[checkpoint] resumed from {restored.name}: step {self.step}, "
+                f"{self.step * self.tokens_per_step} tokens seen, data step {self.train_batches.step}",
+                flush=True,
+            )
+            if restored.world_size != self.ctx.world_size:
+                print(
+                    f"[checkpoint] world size changed {restored.world_size} -> {self.ctx.world_size}: model and "
+                    "optimizer state resharded; the global batch stays "
+                    f"{self.config.data.global_batch_size} sequences and every step consumes the same global "
+                    "samples, but DATA ORDER DIFFERS from the uninterrupted run per rank (samples are split "
+                    "across a different number of ranks and reduced in a different order), so losses will "
+                    "match it only to float rounding, not bitwise; ranks without saved RNG state keep fresh ones",
+                    flush=True,
+                )
 
     def run_step(self) -> dict[str, Any]:
         """One optimizer step plus what the schedule asks for at it: validation, replica check, logging."""
@@ -107,11 +163,43 @@ class Trainer(Stateful):
             record["val_loss"] = self.evaluate()
         if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
             self.check_replicas()
+        if self.checkpointer is not None and self.step == step + 1:  # no rollback happened this step
+            self._checkpoint(record, last)
         mc = self.config.metrics
         report = last or step % mc.ray_report_interval == 0
-        if report or step % mc.log_interval == 0 or "val_loss" in record:
+        if report or step % mc.log_interval == 0 or "val_loss" in record or "checkpoint_stall_s" in record:
             self.metrics.log(self._with_memory(record), report=report)
+        self._maybe_inject_fault(step)
         return record
+
+    def _checkpoint(self, record: dict[str, Any], last: bool) -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.poll()
+        improved = record.get("val_loss") is not None and record["val_loss"] < self.best_val_loss
+        if improved:
+            self.best_val_loss = record["val_loss"]
+        kinds = self.checkpointer.due(record["step"], last, improved)
+        if kinds:
+            if "val_loss" not in record and self.val_batches:
+                # Ray's retention orders checkpoints by val_loss, so every checkpoint carries one.
+                record["val_loss"] = self.evaluate()
+            info = {"tokens_seen": self.step * self.tokens_per_step, "data_step": self.train_batches.step}
+            if record.get("val_loss") is not None:
+                info["val_loss"] = record["val_loss"]
+            self.checkpointer.save(self, self.step, kinds, info, rollbacks=len(self.rollbacks))
+        record.update(self.checkpointer.drain_metrics())
+
+    def _maybe_inject_fault(self, step: int) -> None:
+        """Test-only: SIGKILL this worker once per run dir (see CheckpointConfig.test_kill_at_step)."""
+        c = self.config.checkpoint
+        if step != c.test_kill_at_step or self.ctx.rank != c.test_kill_rank:
+            return
+        marker = Path(self.config.output_dir) / f".fault_injected_step{step}"
+        if marker.exists():
+            return
+        marker.write_text(f"rank {self.ctx.rank} pid {os.getpid()} killed itself after step {step}\n")
+        print(f"[fault injection] rank {self.ctx.rank} SIGKILLs itself after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(self) -> dict[str, Any]:
         step = self.step
@@ -132,6 +220,8 @@ class Trainer(Stateful):
         local_loss = loss_sum / len(micro_batches)
 
         norm = float(grad_norm(self.params))
+        # Advanced here, before the verdict is acted on: a rollback in on_bad_step sets it back.
+        self.step = step + 1
         verdict = self.guard.check(self.ctx, local_loss, norm)
         if verdict.ok:
             clip = self.config.optimizer.grad_clip
@@ -147,7 +237,6 @@ class Trainer(Stateful):
         loss_value = float(global_loss)  # .item() also waits for the device, so the timing is honest
         elapsed = time.perf_counter() - started
         tokens_per_s = self.tokens_per_step / elapsed
-        self.step += 1
         return {
             "step": step,
             "loss": loss_value,
@@ -162,8 +251,9 @@ class Trainer(Stateful):
         }
 
     def on_bad_step(self, step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor) -> None:
-        """The update was skipped (weights and optimizer state untouched). Hook for the checkpoint
-        issue: rollback to the last good checkpoint goes here instead of only counting."""
+        """The update was skipped (weights and optimizer state untouched). After
+        ``checkpoint.rollback_after_bad`` bad steps in a row, roll back to the last good checkpoint
+        and skip the data window that led here; otherwise stop after ``guard.max_consecutive_bad``."""
         report = {
             "step": step,
             "reasons": verdict.reasons,
@@ -173,11 +263,46 @@ class Trainer(Stateful):
         }
         self.bad_steps.append(report)
         print(f"[rank {self.ctx.rank}] skipped step {step}: {json.dumps(report)}", flush=True)
+        c = self.config.checkpoint
+        if (
+            self.checkpointer is not None
+            and c.rollback_after_bad > 0
+            and self.guard.consecutive_bad >= c.rollback_after_bad
+            and len(self.rollbacks) < c.max_rollbacks
+            and self.rollback(step)
+        ):
+            return
         if self.guard.should_stop():
             raise TrainingDiverged(
                 f"{self.guard.consecutive_bad} consecutive bad steps (limit {self.config.guard.max_consecutive_bad}); "
                 f"last at step {step}: {', '.join(verdict.reasons)}; data position {report['data_position']}"
             )
+
+    def rollback(self, bad_step: int) -> bool:
+        """Restore the last good checkpoint, then move the data position past the bad step's batch:
+        the window from the checkpoint's data position to the bad step is skipped (the spike is
+        often caused by the update *before* it, so skipping only the bad step does not cure it)."""
+        assert self.checkpointer is not None
+        bad_data_step = self.train_batches.step - 1  # the batch the bad step just consumed
+        bad_steps, rollbacks = self.bad_steps, self.rollbacks
+        restored = self.checkpointer.restore(self)
+        if restored is None:
+            return False
+        resume_data_step = self.train_batches.step
+        self.train_batches.step = bad_data_step + 1
+        global_batch = self.config.data.global_batch_size
+        skipped = {
+            "bad_step": bad_step,
+            "restored": restored.name,
+            "restored_step": self.step,
+            "skipped_data_steps": [resume_data_step, bad_data_step + 1],
+            "skipped_global_samples": [resume_data_step * global_batch, (bad_data_step + 1) * global_batch],
+        }
+        # The restored state is older than the history of bad steps and rollbacks: keep the history.
+        self.bad_steps, self.rollbacks = bad_steps, [*rollbacks, skipped]
+        if self.ctx.is_main:
+            print(f"[checkpoint] rollback: {json.dumps(skipped)}", flush=True)
+        return True
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -220,6 +345,8 @@ class Trainer(Stateful):
                 "replica_digests": digests,
                 "peak_state_bytes": self.peak_state_bytes,
                 "bad_steps": self.bad_steps,
+                "rollbacks": self.rollbacks,
+                "last_checkpoint": self.checkpointer.last_committed if self.checkpointer else None,
             }
             (final / "final.json").write_text(json.dumps(info, indent=2))
             plot_loss_curves(self.config.output_dir)
@@ -253,16 +380,19 @@ class Trainer(Stateful):
     # ---------------------------------------------------------------- Stateful
     def state_dict(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        rng = {"torch": torch.get_rng_state()}
-        if self.ctx.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
         return {
             "model": model_state,
             "optimizer": optim_state,
-            "step": self.step,
-            "data": self.train_batches.state_dict(),
-            "guard": self.guard.state_dict(),
-            "rng": rng,
+            # The LR schedule is a pure function of the step (optim.learning_rate): the step is its state.
+            "progress": {
+                "step": self.step,
+                "tokens_seen": self.step * self.tokens_per_step,
+                "data": self.train_batches.state_dict(),
+                "guard": self.guard.state_dict(),
+                "best_val_loss": self.best_val_loss,
+            },
+            # Rank-unique key: DCP keeps one copy of a plain tensor saved under the same key by every rank.
+            "rng": {rng_key(self.ctx.rank): capture_rng(self.ctx.device)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -272,12 +402,20 @@ class Trainer(Stateful):
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
         )
-        self.step = int(state_dict["step"])
-        self.train_batches.load_state_dict(state_dict["data"])
-        self.guard.load_state_dict(state_dict["guard"])
-        torch.set_rng_state(state_dict["rng"]["torch"])
-        if "cuda" in state_dict["rng"]:
-            torch.cuda.set_rng_state(state_dict["rng"]["cuda"], self.ctx.device)
+        progress = state_dict["progress"]
+        self.step = int(progress["step"])
+        self.train_batches.load_state_dict(progress["data"])
+        self.guard.load_state_dict(progress["guard"])
+        self.best_val_loss = float(progress["best_val_loss"])
+        packed = state_dict.get("rng", {}).get(rng_key(self.ctx.rank))
+        if packed is not None:  # absent for a rank that did not exist when the checkpoint was saved
+            restore_rng(packed, self.ctx.device)
+
+
+def _ray_has_checkpoint() -> bool:
+    import ray.train
+
+    return ray.train.get_checkpoint() is not None
 
 
 def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
@@ -294,4 +432,4 @@ def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = DistContext(rank=context.get_world_rank(), world_size=context.get_world_size(), device=device)
-    Trainer(config, ctx, reporter=ray.train.report).train()
+    Trainer(config, ctx, reporter=ray.train.report, ray_storage=True).train()

@@ -1,0 +1,109 @@
+"""The checkpoint manifest (``checkpoint.json``) and verification against it.
+
+DCP writes ``.metadata`` plus one ``__<rank>_0.distcp`` file per rank. The manifest, written last by
+rank 0, adds what DCP does not record: the step, world size, train config, data manifest sha256,
+lineage, and the size and sha256 of every file. A directory counts as a checkpoint only when its
+manifest exists and every listed file matches it, so a save cut off at any point (a file half
+written, a rank's shard never uploaded, the manifest missing) is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+MANIFEST_FILE = "checkpoint.json"
+FORMAT_VERSION = 1
+CHECKPOINT_PREFIX = "checkpoint_step_"
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint that must not be loaded; ``file`` names the offending file when there is one."""
+
+    def __init__(self, path: str | Path, reason: str, file: str | None = None) -> None:
+        self.path = str(path)
+        self.file = file
+        self.reason = reason
+        where = f"{self.path}/{file}" if file else self.path
+        super().__init__(f"corrupt checkpoint {where}: {reason}")
+
+
+def checkpoint_dir_name(step: int, rollbacks: int = 0) -> str:
+    # Zero-padded so names sort by step; a re-save of a step after a rollback gets its own name.
+    suffix = f"_r{rollbacks}" if rollbacks else ""
+    return f"{CHECKPOINT_PREFIX}{step:09d}{suffix}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """{name: {bytes, sha256}} of the regular files directly in ``directory`` (DCP's layout is flat)."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    # Written to a temp name and renamed: the manifest itself is never seen half written.
+    tmp = directory / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    tmp.replace(directory / MANIFEST_FILE)
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise CorruptCheckpoint(directory, "no manifest: the save did not complete", MANIFEST_FILE)
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpoint(directory, f"unreadable manifest ({exc})", MANIFEST_FILE) from exc
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CorruptCheckpoint(directory, f"unknown format_version {manifest.get('format_version')!r}", MANIFEST_FILE)
+    return manifest
+
+
+def verify(directory: str | Path) -> dict[str, Any]:
+    """Check every file against the manifest; returns the manifest or raises ``CorruptCheckpoint``."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    files = manifest.get("files") or {}
+    if ".metadata" not in files:
+        raise CorruptCheckpoint(directory, "manifest lists no DCP .metadata", MANIFEST_FILE)
+    for name, expected in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CorruptCheckpoint(directory, "missing", name)
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CorruptCheckpoint(directory, f"size {size} != {expected['bytes']} in the manifest", name)
+        if sha256_file(path) != expected["sha256"]:
+            raise CorruptCheckpoint(directory, "sha256 does not match the manifest", name)
+    return manifest
+
+
+def checkpoint_step(name: str) -> int | None:
+    """Step encoded in a checkpoint dir name, or None for anything else."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    digits = name[len(CHECKPOINT_PREFIX) :].split("_", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint dirs in a run dir, newest first (by step, then by rollback suffix)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        return []
+    found = [(checkpoint_step(p.name), p.name, p) for p in run.iterdir() if p.is_dir()]
+    return [p for step, _, p in sorted((f for f in found if f[0] is not None), reverse=True)]

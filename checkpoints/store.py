@@ -1,0 +1,120 @@
+"""Where checkpoint files go: straight into a local run dir, or into Ray Train's storage.
+
+- ``LocalStore`` (a run without Ray, e.g. the in-process tests, the bench): DCP writes into
+  ``<run>/<checkpoint_dir_name>`` and rank 0's manifest there is the commit.
+- ``RayStore`` (every ``python -m train`` run): each rank writes its DCP files into its own local
+  staging dir and hands it to ``ray.train.report(checkpoint=...)``; Ray Train copies every rank's
+  files into one ``<storage_path>/<name>/<checkpoint_dir_name>`` (local disk, or ``s3://``/``gs://``
+  through its pyarrow filesystem) and registers the checkpoint once all ranks reported. Its
+  checkpoint manager applies ``num_to_keep`` and hands the latest registered checkpoint to
+  restarted workers (``ray.train.get_checkpoint()``), also across a new ``fit()`` on the same run dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from checkpoints.manifest import MANIFEST_FILE, checkpoint_step, list_checkpoints
+
+
+class Candidate(Protocol):
+    name: str
+
+    def open(self) -> contextlib.AbstractContextManager[Path]: ...
+
+
+class LocalCandidate:
+    def __init__(self, path: Path) -> None:
+        self.name = path.name
+        self.path = path
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Path]:
+        yield self.path
+
+
+class LocalStore:
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def staging_dir(self, name: str, rank: int) -> Path:
+        path = self.run_dir / name
+        if path.exists():
+            # Re-saving a step (after a restart): drop the old manifest first, so the directory is
+            # never a valid-looking mix of old and new files.
+            (path / MANIFEST_FILE).unlink(missing_ok=True)
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, name: str, staging: Path, metrics: dict[str, Any], background: bool) -> None:
+        """Nothing to move: the manifest rank 0 wrote into the checkpoint dir was the commit."""
+
+    def candidates(self) -> list[Candidate]:
+        return [LocalCandidate(p) for p in list_checkpoints(self.run_dir)]
+
+
+class RayCandidate:
+    def __init__(self, checkpoint: Any) -> None:
+        self.checkpoint = checkpoint
+        self.name = Path(checkpoint.path).name
+
+    def open(self) -> contextlib.AbstractContextManager[Path]:
+        # Local storage: the directory itself; remote storage: a local copy for the duration.
+        return _as_path(self.checkpoint.as_directory())
+
+
+@contextlib.contextmanager
+def _as_path(manager: contextlib.AbstractContextManager[str]) -> Iterator[Path]:
+    with manager as directory:
+        yield Path(directory)
+
+
+class RayStore:
+    def __init__(self, async_upload: bool) -> None:
+        import ray.train
+
+        self._train = ray.train
+        self.async_upload = async_upload
+
+    def staging_dir(self, name: str, rank: int) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-rank{rank}-"))
+
+    def commit(self, name: str, staging: Path, metrics: dict[str, Any], background: bool) -> None:
+        """Every rank must call this for the same checkpoint (``ray.train.report`` is a barrier)."""
+        mode = self._train.CheckpointUploadMode
+        self._train.report(
+            metrics,
+            checkpoint=self._train.Checkpoint.from_directory(str(staging)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=mode.ASYNC if background and self.async_upload else mode.SYNC,
+            delete_local_checkpoint_after_upload=True,
+        )
+
+    def candidates(self) -> list[Candidate]:
+        """Ray's latest registered checkpoint first, then older checkpoint dirs in the run dir (in case
+        the latest fails verification). Newer dirs than the latest registered one were never
+        committed by Ray (a save cut off mid-upload) and are left out."""
+        import pyarrow.fs
+
+        latest = self._train.get_checkpoint()
+        storage = self._train.get_context().get_storage()
+        fs, root = storage.storage_filesystem, storage.experiment_fs_path
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+        dirs = [i for i in infos if i.type == pyarrow.fs.FileType.Directory]
+        listed = sorted(((checkpoint_step(i.base_name), i.base_name, i.path) for i in dirs), reverse=True)
+        out: list[Candidate] = []
+        bound = None
+        if latest is not None:
+            out.append(RayCandidate(latest))
+            bound = (checkpoint_step(Path(latest.path).name), Path(latest.path).name)
+        for step, name, path in listed:
+            if step is None or (bound is not None and (step, name) >= bound):
+                continue
+            out.append(RayCandidate(self._train.Checkpoint(path, filesystem=fs)))
+        return out
