@@ -156,7 +156,7 @@ def make_random_model(out: Path) -> Path:
     from train.model import GPT, GPTConfig
 
     texts = []
-    for path in sorted(Path("/work/shared/data/ccnet-text").glob("*.jsonl.gz")):
+    for path in sorted(Path(__file__).resolve().parents[2] / "shared" / "data" / "ccnet-text".glob("*.jsonl.gz")):
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             texts += [json.loads(line)["text"] for line in fh if line.strip()]
     tokenizer = Tokenizer(models.BPE())

@@ -1,5 +1,3 @@
-import gzip
-import json
 import sys
 from pathlib import Path
 
@@ -15,8 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 @pytest.fixture(scope="session")
 def ccnet_texts() -> list[str]:
     """Real Common Crawl documents (cc_net head, English), shipped in data/sample as WET; read from the source."""
-    texts = []
-    for path in sorted((SHARED_DATA / "ccnet-text").glob("*.jsonl.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") as lines:
-            texts += [json.loads(line)["text"] for line in lines]
-    return texts
+    from ccnet import load_ccnet_texts
+
+    return load_ccnet_texts()

@@ -1,7 +1,7 @@
 """Test models for serve/: a tiny GPT trained briefly on real Common Crawl text, in train.export's layout.
 
 ``build_export`` trains a byte-level BPE tokenizer and a 2-layer GPT with plain torch (AdamW, a few
-hundred steps, a few seconds on one core) on the cc_net documents in /work/shared/data/ccnet-text,
+hundred steps, a few seconds on one core) on the cc_net documents in ../shared/data/ccnet-text,
 holding every 5th document out, and writes ``model.safetensors`` (the model's state dict),
 ``config.json`` (GPTConfig fields), ``tokenizer.json`` and ``lineage.json`` — the files
 ``train.export.load_exported`` and serve.model_dir read. ``worse_export`` writes the same model with
@@ -12,7 +12,6 @@ which is what the canary must catch.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import shutil
 import socket
@@ -21,22 +20,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from ccnet import load_ccnet_texts
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
+from pipeline.steps.tokenize import EOT, TokenizeConfig
+from pipeline.steps.tokenize import train_tokenizer as train_pipeline_tokenizer
 from train.model import GPT, GPTConfig
 
-CCNET = sorted(Path("/work/shared/data/ccnet-text").glob("*.jsonl.gz"))
-EOT = "<|endoftext|>"
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}
 
 
 def documents() -> list[str]:
-    docs = []
-    for path in CCNET:
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            docs.extend(json.loads(line)["text"] for line in fh if line.strip())
-    return docs
+    return load_ccnet_texts()
 
 
 def split_documents() -> tuple[list[str], list[str]]:
@@ -46,17 +42,8 @@ def split_documents() -> tuple[list[str], list[str]]:
 
 
 def train_tokenizer(docs: list[str], vocab_size: int = 512) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(docs, trainer=trainer)
-    return tokenizer
+    # The pipeline's own BPE trainer, so served test models tokenize like real ones.
+    return train_pipeline_tokenizer(docs, TokenizeConfig(vocab_size=vocab_size, min_frequency=1))
 
 
 def train_model(tokenizer: Tokenizer, docs: list[str], steps: int = 150, batch: int = 8, seed: int = 0) -> GPT:

@@ -6,7 +6,6 @@ uint16 little-endian token shards with each document followed by eot, and manife
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -14,10 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from ccnet import CCNET_FILES, load_ccnet_texts
 
-CCNET = sorted(Path("/work/shared/data/ccnet-text").glob("*.jsonl.gz"))
-EOT = "<|endoftext|>"
+from pipeline.steps.tokenize import EOT, TokenizeConfig, train_tokenizer
 
 
 def _sha256(path: Path) -> str:
@@ -25,11 +23,7 @@ def _sha256(path: Path) -> str:
 
 
 def load_documents() -> list[str]:
-    docs = []
-    for path in CCNET:
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            docs.extend(json.loads(line)["text"] for line in fh if line.strip())
-    return docs
+    return load_ccnet_texts()
 
 
 def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Path:
@@ -38,16 +32,7 @@ def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Pat
     val_docs = [d for i, d in enumerate(docs) if i % val_every == 1]
     train_docs = [d for i, d in enumerate(docs) if i % val_every != 1]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(docs, trainer=trainer)
+    tokenizer = train_tokenizer(docs, TokenizeConfig(vocab_size=vocab_size, min_frequency=1))
     tok_path = out / "tokenizer.json"
     tokenizer.save(str(tok_path))
     eot_id = tokenizer.token_to_id(EOT)
@@ -73,7 +58,9 @@ def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Pat
         },
         "dtype": "uint16",
         "shards": shards,
-        "sources": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size, "records": 10} for p in CCNET],
+        "sources": [
+            {"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size, "records": 10} for p in CCNET_FILES
+        ],
         "config": {"built_by": "tests/train_fixtures.py", "vocab_size": vocab_size, "val_every": val_every},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
