@@ -106,7 +106,8 @@ class RayStore:
         storage = self._train.get_context().get_storage()
         fs, root = storage.storage_filesystem, storage.experiment_fs_path
         infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
-        dirs = [i for i in infos if i.type == pyarrow.fs.FileType.Directory]
+        is_dir = pyarrow.fs.FileType.Directory
+        dirs = [i for i in infos if i.type == is_dir and checkpoint_step(i.base_name) is not None]
         listed = sorted(((checkpoint_step(i.base_name), i.base_name, i.path) for i in dirs), reverse=True)
         out: list[Candidate] = []
         bound = None
@@ -114,7 +115,7 @@ class RayStore:
             out.append(RayCandidate(latest))
             bound = (checkpoint_step(Path(latest.path).name), Path(latest.path).name)
         for step, name, path in listed:
-            if step is None or (bound is not None and (step, name) >= bound):
+            if bound is not None and (step, name) >= bound:
                 continue
             out.append(RayCandidate(self._train.Checkpoint(path, filesystem=fs)))
         return out

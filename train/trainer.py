@@ -115,6 +115,7 @@ class Trainer(Stateful):
         self.bad_steps: list[dict[str, Any]] = []
         self.best_val_loss = math.inf
         self.rollbacks: list[dict[str, Any]] = []
+        self.resumed_from: list[dict[str, Any]] = []  # one entry per resume (restarts add more)
 
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
@@ -136,6 +137,15 @@ class Trainer(Stateful):
             self.metrics.truncate_from(0)
             return
         self.metrics.truncate_from(self.step)
+        self.resumed_from.append(
+            {
+                "checkpoint": restored.name,
+                "step": self.step,
+                "saved_world_size": restored.world_size,
+                "world_size": self.ctx.world_size,
+                "skipped_corrupt": restored.skipped,
+            }
+        )
         if self.ctx.is_main:
             print(
                 f"[checkpoint] resumed from {restored.name}: step {self.step}, "
@@ -248,7 +258,7 @@ class Trainer(Stateful):
             "world_size": self.ctx.world_size,
             "grad_accum": self.grad_accum,
             "skipped": not verdict.ok,
-        }
+        } | ({"rolled_back_to": self.step} if self.step != step + 1 else {})
 
     def on_bad_step(self, step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor) -> None:
         """The update was skipped (weights and optimizer state untouched). After
@@ -300,6 +310,8 @@ class Trainer(Stateful):
         }
         # The restored state is older than the history of bad steps and rollbacks: keep the history.
         self.bad_steps, self.rollbacks = bad_steps, [*rollbacks, skipped]
+        # Records of the steps being redone go; the bad step's own record is still written, marked.
+        self.metrics.truncate_from(self.step)
         if self.ctx.is_main:
             print(f"[checkpoint] rollback: {json.dumps(skipped)}", flush=True)
         return True
@@ -346,6 +358,7 @@ class Trainer(Stateful):
                 "peak_state_bytes": self.peak_state_bytes,
                 "bad_steps": self.bad_steps,
                 "rollbacks": self.rollbacks,
+                "resumed_from": self.resumed_from,
                 "last_checkpoint": self.checkpointer.last_committed if self.checkpointer else None,
             }
             (final / "final.json").write_text(json.dumps(info, indent=2))

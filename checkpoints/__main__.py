@@ -1,0 +1,100 @@
+"""python -m checkpoints inspect|verify PATH: what a checkpoint holds, and whether it is intact.
+
+PATH is one checkpoint dir (``<run>/checkpoint_step_000000100``) or a run dir (then every checkpoint
+in it, newest first). ``verify`` exits 1 when any checkpoint fails, naming the corrupt file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, list_checkpoints, verify
+
+
+def _targets(path: Path) -> list[Path]:
+    if (path / MANIFEST_FILE).is_file() or (path / ".metadata").is_file():
+        return [path]
+    return list_checkpoints(path)
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)
+
+
+def inspect(path: Path, as_json: bool) -> dict[str, Any]:
+    from checkpoints.checkpointer import describe  # imports torch: only when needed
+
+    info = describe(path)
+    if as_json:
+        return info
+    m = info["manifest"]
+    print(f"{path}")
+    if not m:
+        print("  no manifest (checkpoint.json): an incomplete save")
+    else:
+        kinds = ",".join(m.get("kinds", []))
+        print(f"  step {m['step']}  kinds {kinds}  world size {m['world_size']}  strategy {m.get('strategy')}")
+        print(f"  tokens seen {m.get('tokens_seen')}  data step {m.get('data_step')}  val_loss {m.get('val_loss')}")
+        print(f"  lineage: parent {m.get('parent')}  data manifest sha256 {m.get('data_manifest_sha256')}")
+        print("  files:")
+        for name, f in sorted(m.get("files", {}).items()):
+            print(f"    {name:<20} {_human(f['bytes']):>10}  sha256 {f['sha256']}")
+    print("  entries:")
+    for e in info["entries"]:
+        shape = "x".join(map(str, e["shape"])) if e["shape"] is not None else "-"
+        print(f"    {e['key']:<60} {e['dtype']:<8} {shape:<14} {_human(e['bytes']):>10}  shards {e['shards']}")
+    total = sum(e["bytes"] or 0 for e in info["entries"])
+    print(f"  {len(info['entries'])} entries, {_human(total)} of tensors")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpoints",
+        description="Inspect or verify DCP checkpoints written by `python -m train` "
+        "(a checkpoint dir, or a run dir for all of its checkpoints).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="step, world size, lineage, files with sha256, tensors with sizes")
+    p_inspect.add_argument("path", type=Path)
+    p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    p_verify = sub.add_parser(
+        "verify", help="check every file's size and sha256 against the manifest; exit 1 naming the corrupt file"
+    )
+    p_verify.add_argument("path", type=Path)
+    args = parser.parse_args(argv)
+
+    targets = _targets(args.path)
+    if not targets:
+        print(f"error: no checkpoint at {args.path}", file=sys.stderr)
+        return 2
+    if args.command == "inspect":
+        infos = [inspect(t, args.json) for t in targets]
+        if args.json:
+            print(json.dumps(infos if len(infos) > 1 else infos[0], indent=2))
+        return 0
+    failed = 0
+    for target in targets:
+        try:
+            manifest = verify(target)
+        except CorruptCheckpoint as exc:
+            failed += 1
+            print(f"FAIL {target}: {exc.reason} (file: {exc.file})", file=sys.stderr)
+        else:
+            print(f"OK   {target}: step {manifest['step']}, {len(manifest['files'])} files verified")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Checkpoints without Ray (world size 1, the same DCP format Ray runs write): exact resume, a save
+cut off mid-write, a flipped byte, the inspect/verify CLI, and guard-rail rollback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+
+from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, list_checkpoints, verify
+from train.config import TrainConfig, load_config
+from train.metrics import read_metrics
+from train.parallel import DistContext
+from train.preflight import check_data
+from train.trainer import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+REPO = Path(__file__).parents[1]
+STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def make_config(data: Path, out: Path, **extra: object) -> TrainConfig:
+    overrides = {"checkpoint.interval_steps": 4, "steps": STEPS} | extra
+    config = load_config(None, tiny_overrides(data, out, **overrides))
+    check_data(config)
+    return config
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.gpt.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:  # noqa: F811
+    out = tmp_path_factory.mktemp("reference")
+    # Module fixtures run before the function-scoped one_thread: a different thread count changes how
+    # CPU reductions are split, hence the last bits of the weights.
+    torch.set_num_threads(1)
+    trainer = Trainer(make_config(token_dir, out), CPU)
+    trainer.train()
+    return out, weights(trainer)
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(token_dir: Path, tmp_path: Path, reference) -> None:  # noqa: F811
+    ref_dir, ref_weights = reference
+    first = Trainer(make_config(token_dir, tmp_path), CPU)
+    for _ in range(STEPS // 2):
+        first.run_step()
+    first.checkpointer.close()  # the process "stops" here; a new one resumes
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_step_000000004"]
+
+    resumed = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
+    resumed.train()
+    assert resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000004"
+    expected = [(r["step"], r["loss"]) for r in read_metrics(ref_dir)]
+    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path)]
+    assert got == expected  # bitwise: same floats, not just close
+    for key, value in ref_weights.items():
+        assert torch.equal(resumed.gpt.state_dict()[key], value), key
+
+
+def test_manifest_records_what_the_checkpoint_holds(reference) -> None:
+    ref_dir, _ = reference
+    names = [p.name for p in list_checkpoints(ref_dir)]
+    assert names == ["checkpoint_step_000000008", "checkpoint_step_000000004"]
+    manifest = verify(ref_dir / names[0])
+    assert manifest["step"] == 8 and manifest["world_size"] == 1 and manifest["tokens_seen"] == 8 * 8 * 32
+    assert manifest["kinds"] == ["periodic", "best", "final"] and manifest["parent"] == names[1]
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    assert manifest["train_config"]["parallel"]["strategy"] == "single"
+    assert len(manifest["data_manifest_sha256"]) == 64
+
+
+def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
+    token_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2}), CPU)
+    for _ in range(2):
+        trainer.run_step()
+    good = trainer.checkpointer.last_committed
+    assert good == "checkpoint_step_000000002"
+
+    def crash(self, metadata, results):  # data files written, DCP metadata not: a writer dying mid-save
+        raise OSError("simulated crash inside the checkpoint writer")
+
+    monkeypatch.setattr(FileSystemWriter, "finish", crash)
+    trainer.run_step()
+    with pytest.raises(CheckpointException) as crashed:  # DCP's wrapper (a BaseException) of our OSError
+        trainer.run_step()
+    assert "simulated crash" in str(crashed.value.failures)
+    monkeypatch.undo()
+    broken = tmp_path / "checkpoint_step_000000004"
+    assert (broken / "__0_0.distcp").is_file() and not (broken / MANIFEST_FILE).exists()
+    with pytest.raises(CorruptCheckpoint, match="no manifest") as excinfo:
+        verify(broken)
+    assert excinfo.value.file == MANIFEST_FILE
+
+    resumed = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
+    restored = resumed.checkpointer.restore(resumed)
+    assert restored is not None and restored.name == good and resumed.step == 2
+    assert len(restored.skipped) == 1 and "checkpoint_step_000000004" in restored.skipped[0]
+
+
+def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path: Path) -> None:
+    ref_dir, _ = reference
+    import shutil
+
+    ckpt = Path(shutil.copytree(ref_dir / "checkpoint_step_000000004", tmp_path / "checkpoint_step_000000004"))
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="sha256 does not match") as excinfo:
+        verify(ckpt)
+    assert excinfo.value.file == "__0_0.distcp"
+
+    cli = [sys.executable, "-m", "checkpoints"]
+    bad = subprocess.run([*cli, "verify", str(ckpt)], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 1 and "__0_0.distcp" in bad.stderr and "sha256" in bad.stderr
+    ok = subprocess.run([*cli, "verify", str(ref_dir)], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0 and ok.stdout.count("OK ") == 2
+    shown = subprocess.run([*cli, "inspect", str(ref_dir / "checkpoint_step_000000008")], capture_output=True,
+                           text=True, cwd=REPO)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    for expected in ("step 8", "world size 1", "model.wte.weight", "rng.rank0", "__0_0.distcp", "sha256", "parent"):
+        assert expected in shown.stdout, expected
+    helped = subprocess.run([*cli, "--help"], capture_output=True, text=True, cwd=REPO)
+    assert helped.returncode == 0 and "verify" in helped.stdout and "inspect" in helped.stdout
+
+
+def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    config = make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2, "checkpoint.rollback_after_bad": 1})
+    trainer = Trainer(config, CPU)
+    poisoned_data_step = 5
+
+    def hook(module, inputs, output):
+        # next_micro_batches has already advanced the data position past the batch being used.
+        return output * float("nan") if trainer.train_batches.step - 1 == poisoned_data_step else output
+
+    trainer.gpt.blocks[0].register_forward_hook(hook)
+    trainer.train()  # without the rollback this data would be retried forever... it is skipped instead
+    assert trainer.step == STEPS
+    assert len(trainer.rollbacks) == 1
+    rollback = trainer.rollbacks[0]
+    assert rollback["bad_step"] == 5 and rollback["restored"] == "checkpoint_step_000000004"
+    assert rollback["restored_step"] == 4 and rollback["skipped_data_steps"] == [4, 6]
+    assert rollback["skipped_global_samples"] == [32, 48]
+    assert trainer.train_batches.step == STEPS + 2  # two data steps were skipped
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 5, 4, 5, 6, 7]
+    assert records[4]["skipped"] and records[4]["rolled_back_to"] == 4
+    assert all(r["loss"] is not None for r in records[5:])

@@ -1,0 +1,185 @@
+"""Checkpoints through Ray Train on CPU/gloo: a killed worker restarted by Ray, a crashed run continued
+with --resume, resharding to another world size, retention, async saves.
+
+Runs (8 steps, tiny model, fp32, dropout 0), each started once for the whole module:
+- ``fsdp_ref``: FSDP-2 uninterrupted, async saves every 2 steps, num_to_keep 2.
+- ``fsdp_killed``: the same with sync saves; rank 1 SIGKILLs itself after step 4 (first attempt only),
+  ``max_failures=1``: Ray restarts both workers, which resume from the last registered checkpoint.
+- ``ddp_ref`` / ``ddp_resumed``: DDP-2; the second run's rank 0 dies after step 5 with
+  ``max_failures=0`` (the run fails), then ``--resume`` (a new fit on the run dir) finishes it.
+- ``fsdp1``: a copy of ``fsdp_ref``'s run dir resumed by a single FSDP worker: its final checkpoint
+  resharded from 2 ranks to 1 (no steps left to train, so the final model is the loaded one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.train import WorkerGroupError
+from safetensors.torch import load_file
+from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+
+from checkpoints.checkpointer import load_into
+from checkpoints.manifest import list_checkpoints, verify
+from train.config import load_config
+from train.launch import launch
+from train.metrics import read_metrics
+from train.parallel import DistContext
+from train.preflight import PreflightError, check_data
+from train.trainer import Trainer
+
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+STEPS = 8
+REPO = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # The controller polls workers every 2 s by default, and each ray.train.report waits for a poll:
+    # a shorter interval keeps these few-second runs from idling. Read by the controller at start.
+    previous = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+    if previous is None:
+        os.environ.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    else:
+        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = previous
+
+
+def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: object):
+    overrides = tiny_overrides(data, out, steps=STEPS)
+    overrides |= {"parallel.strategy": strategy, "parallel.workers": workers, "checkpoint.interval_steps": 2}
+    return load_config(None, overrides | extra)
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+    root = tmp_path_factory.mktemp("ckpt_runs")
+    out = {name: root / name for name in ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1")}
+    keep2 = {"checkpoint.num_to_keep": 2}
+    launch(config_for(token_dir, out["fsdp_ref"], "fsdp", 2, **keep2, **{"checkpoint.async_save": True}))
+    kill = {"checkpoint.test_kill_at_step": 4, "checkpoint.test_kill_rank": 1, "checkpoint.max_failures": 1}
+    launch(config_for(token_dir, out["fsdp_killed"], "fsdp", 2, **keep2, **kill))
+
+    launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **{"checkpoint.interval_steps": 4}))
+    crash = {"checkpoint.interval_steps": 4, "checkpoint.test_kill_at_step": 5, "checkpoint.test_kill_rank": 0}
+    with pytest.raises(WorkerGroupError):  # max_failures=0: the run fails
+        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash))
+    with pytest.raises(PreflightError, match="--resume"):  # a fresh run must not silently continue it
+        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash))
+    launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash, **{"checkpoint.resume": True}))
+
+    shutil.copytree(out["fsdp_ref"], out["fsdp1"])
+    launch(config_for(token_dir, out["fsdp1"], "fsdp", 1, **{"checkpoint.resume": True}))
+    return out
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run)]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def final_info(run: Path) -> dict:
+    return json.loads((run / "final" / "final.json").read_text())
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    assert set(wa) == set(wb)
+    for key, value in wa.items():
+        assert torch.equal(wb[key], value), key  # bitwise
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(runs: dict[str, Path]) -> None:
+    killed = runs["fsdp_killed"]
+    assert (killed / ".fault_injected_step4").is_file()  # the kill really happened
+    resumed = final_info(killed)["resumed_from"]
+    # The restart resumes from the latest checkpoint Ray's controller registered before the kill: the
+    # step-4 one, or the step-2 one when the kill (one step later) beat the controller's next poll.
+    assert len(resumed) == 1 and resumed[0]["world_size"] == 2
+    assert resumed[0]["checkpoint"] in {"checkpoint_step_000000002", "checkpoint_step_000000004"}
+    # Per-step losses after the restart equal the uninterrupted run's bit for bit (metrics.jsonl keeps
+    # one record per step: the records of steps redone after the restart replace the lost ones).
+    assert losses(killed) == losses(runs["fsdp_ref"])
+    assert [s for s, _ in losses(killed)] == list(range(STEPS))
+    assert_same_weights(killed, runs["fsdp_ref"])
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(runs: dict[str, Path]) -> None:
+    resumed = runs["ddp_resumed"]
+    info = final_info(resumed)["resumed_from"]
+    assert [(r["checkpoint"], r["step"]) for r in info] == [("checkpoint_step_000000004", 4)]
+    assert losses(resumed) == losses(runs["ddp_ref"])
+    assert_same_weights(resumed, runs["ddp_ref"])
+
+
+def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Path], token_dir: Path) -> None:  # noqa: F811
+    ref, one = runs["fsdp_ref"], runs["fsdp1"]
+    resumed = final_info(one)["resumed_from"]
+    assert [(r["checkpoint"], r["saved_world_size"], r["world_size"]) for r in resumed] == [
+        ("checkpoint_step_000000008", 2, 1)
+    ]
+    assert final_info(one)["step"] == STEPS
+    # Same weights, and the same logits from the live model (sharded over 2 ranks vs 1 rank) ...
+    assert_same_weights(one, ref)
+    probe_ref = load_file(str(ref / "final" / "probe.safetensors"))
+    probe_one = load_file(str(one / "final" / "probe.safetensors"))
+    torch.testing.assert_close(probe_one["logits"], probe_ref["logits"], rtol=0, atol=1e-6)
+    # ... and from a plain single-process model loaded straight from the 2-rank checkpoint.
+    torch.set_num_threads(1)
+    config = config_for(token_dir, ref.parent / "single_probe", "single", 1)
+    check_data(config)
+    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    state = load_into(trainer, ref / "checkpoint_step_000000008")
+    assert "rng" not in state or "rank0" in state["rng"]
+    assert trainer.step == STEPS and trainer.train_batches.step == STEPS
+    with torch.no_grad():
+        logits, _ = trainer.gpt.eval()(probe_ref["tokens"])
+    torch.testing.assert_close(logits, probe_ref["logits"], rtol=0, atol=1e-6)
+
+
+def test_retention_keeps_the_best_by_val_loss_and_the_latest(runs: dict[str, Path]) -> None:
+    for name in ("fsdp_ref", "fsdp_killed"):
+        run = runs[name]
+        saved = {}
+        for record in read_metrics(run):
+            for event in record.get("checkpoints", []):
+                saved[event["checkpoint"]] = record["val_loss"]
+        assert sorted(saved) == [f"checkpoint_step_{s:09d}" for s in (2, 4, 6, 8)], name
+        best_two = sorted(saved, key=lambda n: saved[n])[:2]
+        expected = set(best_two) | {"checkpoint_step_000000008"}  # num_to_keep=2, plus the latest
+        assert {p.name for p in list_checkpoints(run)} == expected, name
+
+
+def test_every_kept_checkpoint_verifies(runs: dict[str, Path]) -> None:
+    for run in runs.values():
+        for ckpt in list_checkpoints(run):
+            manifest = verify(ckpt)
+            assert manifest["world_size"] == 2  # fsdp1 holds the copied 2-rank checkpoints
+            assert {f"__{r}_0.distcp" for r in range(manifest["world_size"])} <= set(manifest["files"])
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpoints", "verify", str(runs["fsdp_ref"])], capture_output=True, text=True, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_async_saves_are_logged_with_their_stall(runs: dict[str, Path]) -> None:
+    records = read_metrics(runs["fsdp_ref"])
+    saves = [r for r in records if "checkpoints" in r]
+    assert [r["step"] for r in saves] == [1, 3, 5, 7]
+    assert all(r["checkpoint_stall_s"] > 0 for r in saves)
+    manifest = verify(runs["fsdp_ref"] / "checkpoint_step_000000008")
+    assert manifest["async"] is True and manifest["kinds"] == ["periodic", "best", "final"]
