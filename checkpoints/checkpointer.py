@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoints.config import CheckpointConfig
@@ -87,8 +88,17 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._async_group = None
+        self._stager: DefaultStager | None = None
         if config.async_save:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+            # One stager for the whole run: it keeps its CPU staging buffers between saves, so after the first
+            # save the stall is a copy into existing memory instead of allocating the whole state again.
+            # Pinned memory and non-blocking device copies only exist with an accelerator.
+            on_gpu = torch.cuda.is_available() and device.type == "cuda"
+            self._stager = DefaultStager(
+                StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                               use_non_blocking_copy=on_gpu)
+            )
             if self.distributed:
                 # A group of its own for the background save's collectives (creating it is itself a
                 # collective, so every rank does it here, at the same point).
@@ -145,7 +155,8 @@ class Checkpointer:
         writer = FileSystemWriter(str(staging))
         if self._executor is not None:
             upload = dcp.async_save(
-                state, storage_writer=writer, process_group=self._async_group, no_dist=not self.distributed
+                state, storage_writer=writer, process_group=self._async_group, no_dist=not self.distributed,
+                async_stager=self._stager,
             )
             files = self._executor.submit(_describe_after, upload, staging)
             self._pending = _Pending(name, step, staging, files, manifest, metrics)
@@ -180,6 +191,8 @@ class Checkpointer:
         self.wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._stager is not None:
+            self._stager.close()
 
     def drain_metrics(self) -> dict[str, Any]:
         """Fields for this step's metrics.jsonl record: the stall training saw, and saves made."""
