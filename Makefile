@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m pipeline run --input data/sample --output $(DEMO)/data --overwrite \
 		--config pipeline/configs/demo.yaml
+	rm -rf $(DEMO)/train $(DEMO)/model  # a fresh run each time (resuming is `python -m train ... --resume`)
 	$(BIN)/python -m train --data $(DEMO)/data --output $(DEMO)/train --strategy ddp --workers 2 \
 		--steps 200 --config train/configs/demo.yaml
 	$(BIN)/python -m train.export --run $(DEMO)/train --output $(DEMO)/model
