@@ -78,8 +78,9 @@ def test_corrupt_gzip_member_fails_naming_the_file(tmp_path):
     good = tmp_path / "good.warc.wet.gz"
     write_wet(good, [(f"d{i}", article(f"town {i}")) for i in range(6)])
     bad = _corrupt_copy(good, tmp_path / "bad.warc.wet.gz")
-    with pytest.raises(PipelineInputError, match=r"bad\.warc\.wet\.gz: corrupt input after \d+ records"):
+    with pytest.raises(PipelineInputError, match=r"bad\.warc\.wet\.gz: corrupt input after \d+ records") as err:
         list(read_wet(bad))
+    assert str(err.value).isascii() and "\n" not in str(err.value)  # no raw compressed bytes in the message
 
 
 def test_corrupt_file_can_be_accounted_instead(tmp_path):

@@ -126,7 +126,9 @@ def _record_to_doc(record, payload: bytes, source: str, offset: int, config: Ext
 def _describe(err: BaseException) -> str:
     """warcio quotes the undecodable bytes it met; keep the message to one printable line."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    first = "".join(ch if ch.isprintable() else "?" for ch in first)
+    if first.startswith("Invalid WARC record"):  # warcio met bytes that are neither WARC nor a gzip member
+        first = "unreadable WARC record (damaged gzip member or non-WARC data)"
+    first = "".join(ch if ch.isascii() and ch.isprintable() else "?" for ch in first)
     return first[:120] + ("…" if len(first) > 120 else "")
 
 
