@@ -243,7 +243,11 @@ def test_unknown_keys_are_rejected() -> None:
 def test_gpu_aliases_and_table() -> None:
     assert lookup_gpu("h100").name == "H100-80GB-SXM"
     assert lookup_gpu("A100 80GB").name == "A100-80GB"
-    assert set(GPUS) == {"A100-40GB", "A100-80GB", "H100-80GB-SXM", "H200", "L4", "A10G"}
+    assert lookup_gpu("H100 PCIe").name == "H100-80GB-PCIe"
+    assert set(GPUS) == {
+        "A100-40GB", "A100-80GB", "H100-80GB-SXM", "H100-80GB-PCIe", "H100-94GB-NVL", "H200", "L4", "L40S",
+        "A10", "A10G",
+    }
     # Dense BF16 is half the datasheet's with-sparsity figure (H100 SXM: 1979 → 989).
     assert GPUS["H100-80GB-SXM"].bf16_dense_flops == 989e12
     assert GPUS["H200"].memory_bytes == 141e9
@@ -385,3 +389,28 @@ def test_unreliable_cluster_is_reported_not_divided_by_zero(capsys: pytest.Captu
     path.write_text(yaml.safe_dump(spec))
     assert main(["--config", str(path), "--json"]) == 0
     json.loads(capsys.readouterr().out)  # still strict JSON (no Infinity)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-80GB-SXM"),
+        ("NVIDIA H100 PCIe", "H100-80GB-PCIe"),
+        ("NVIDIA H100 NVL", "H100-94GB-NVL"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),  # not L4: names match word by word
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_cuda_device_names_resolve_to_one_gpu_table(device_name, expected):
+    from cluster.gpus import match_cuda_device
+    from train.flops import lookup_peak_flops
+
+    spec = match_cuda_device(device_name)
+    assert (spec.name if spec else None) == expected
+    # The trainer's MFU reads the same entry, and refuses approximate peaks rather than guessing.
+    peak = lookup_peak_flops(device_name, "bf16")
+    assert peak == (spec.bf16_dense_flops if spec and not spec.approximate else None)
