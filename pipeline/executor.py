@@ -78,45 +78,38 @@ def apply_step(batch: pa.Table, step: Step, timer: str) -> pa.Table:
     return _timed(rows, timer, time.perf_counter() - started)
 
 
-def insert_dedup_keys(
-    batch: pa.Table, keys: DedupKeys, exact_actors: list, band_actors: list
-) -> dict[str, list]:
-    """Send this batch's bucket keys to the index actors; return its edges and the seconds spent hashing."""
+def _index_edges(keyed: Iterator[tuple[int, bytes, str]], actors: list) -> list:
+    """Add (shard, key, doc key) triples to the index actor of each shard; return the edges they answer."""
+    by_actor: dict[int, tuple[list, list]] = {}
+    for shard, key, doc in keyed:
+        keys, ids = by_actor.setdefault(shard % len(actors), ([], []))
+        keys.append(key)
+        ids.append(doc)
+    answers = ray.get([actors[i].add.remote(keys, ids) for i, (keys, ids) in by_actor.items()])
+    return [edge for edges in answers for edge in edges]
+
+
+def insert_dedup_keys(batch: pa.Table, keys: DedupKeys, exact_actors: list, band_actors: list) -> dict[str, list]:
+    """Send this batch's bucket keys to the index actors; return its edges and the seconds each stage took."""
     alive = batch.filter(pc.is_null(batch["reason"])).select(["warc_record_id", "source", "source_offset", "text"])
     alive = alive.to_pylist()
     cfg = keys.config
-    exact_edges: list = []
-    minhash_edges: list = []
-    t0 = time.perf_counter()
-    if cfg.exact.enabled and alive:
-        by_actor: dict[int, tuple[list, list]] = {}
-        for doc in alive:
-            key = exact_key(doc["text"])
-            shard = by_actor.setdefault(int.from_bytes(key[:4], "little") % len(exact_actors), ([], []))
-            shard[0].append(key)
-            shard[1].append(doc_key(doc))
-        t1 = time.perf_counter()
-        for edges in ray.get([exact_actors[i].add.remote(k, ids) for i, (k, ids) in by_actor.items()]):
-            exact_edges += edges
-    else:
-        t1 = time.perf_counter()
-    exact_seconds = t1 - t0
-    t2 = time.perf_counter()
-    if cfg.minhash.enabled and alive:
-        by_actor = {}
-        for doc in alive:
-            for band, key in keys.band_keys(doc["text"]):
-                shard = by_actor.setdefault(band % len(band_actors), ([], []))
-                shard[0].append(key)
-                shard[1].append(doc_key(doc))
-        for edges in ray.get([band_actors[i].add.remote(k, ids) for i, (k, ids) in by_actor.items()]):
-            minhash_edges += edges
-    minhash_seconds = time.perf_counter() - t2
+    started = time.perf_counter()
+    exact_edges = []
+    if cfg.exact.enabled:
+        hashed = ((exact_key(d["text"]), doc_key(d)) for d in alive)
+        exact_edges = _index_edges(((int.from_bytes(k[:4], "little"), k, i) for k, i in hashed), exact_actors)
+    exact_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    minhash_edges = []
+    if cfg.minhash.enabled:
+        banded = ((band, key, doc_key(d)) for d in alive for band, key in keys.band_keys(d["text"]))
+        minhash_edges = _index_edges(banded, band_actors)
     return {
         "exact_edges": [exact_edges],
         "minhash_edges": [minhash_edges],
         "exact_seconds": [exact_seconds],
-        "minhash_seconds": [minhash_seconds],
+        "minhash_seconds": [time.perf_counter() - started],
     }
 
 
