@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -22,10 +23,26 @@ def _parser() -> argparse.ArgumentParser:
         description="extract → language → quality → dedup_exact → dedup_minhash → tokenize; writes manifest.json, "
         "tokens/*.bin, tokenizer.json, documents/ and rejected/ parquet, report.json and report.md.",
     )
-    run.add_argument("--input", required=True, help="a directory of .warc.wet(.gz) files, or a glob (quote it)")
-    run.add_argument("--output", required=True, help="output directory (must not exist or be empty)")
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--input",
+        help="WARC/WET input: a local directory or glob (quote it), s3://bucket/prefix/ (every WARC/WET file under "
+        "it) or an s3:// glob, or an http(s):// URL of one file",
+    )
+    source.add_argument(
+        "--input-list",
+        help="a Common Crawl paths listing (e.g. wet.paths.gz; gz or plain, local or remote): one path a line, "
+        "joined to --base-url",
+    )
+    run.add_argument("--base-url", help="prefix for the relative paths of --input-list (https://… or s3://…)")
+    run.add_argument("--output", required=True,
+                     help="output directory (must not exist or be empty); on a cluster, a path every node sees")
     run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
-    run.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory when done")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace a non-empty output directory when done, and discard an unfinished run's work")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the unfinished run of this output (same config and inputs), redoing only "
+                     "unfinished work")
     run.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
@@ -47,9 +64,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setup_logging(console: Console) -> None:
+    """Rich log lines on a terminal; plain, unwrapped lines when stderr is a file or a pipe (CI, ray job logs)."""
+    if console.is_terminal:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
+    _setup_logging(console)
     from pipeline.errors import PipelineInputError, PipelineOutputError
 
     try:
@@ -61,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _run(args, console)
     except (PipelineInputError, PipelineOutputError, FileNotFoundError) as err:
-        console.print(f"[bold red]error:[/] {err}")
+        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
         return 2
 
 
@@ -70,7 +101,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from pipeline.executor import PipelineRun
 
     config = load_config(args.config)
-    run = PipelineRun(args.input, args.output, config, overwrite=args.overwrite, console=console)
+    run = PipelineRun(args.input, args.output, config, overwrite=args.overwrite, console=console,
+                      input_list=args.input_list, base_url=args.base_url, resume=args.resume)
     import ray
     from ray.exceptions import RayTaskError
 
@@ -79,9 +111,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     try:
         run.run()
     except RayTaskError as err:
-        # Name the root cause (e.g. the corrupt file) rather than Ray's wrapping of it.
+        # Name the root cause rather than Ray's wrapping of it.
         cause = err.cause if getattr(err, "cause", None) is not None else err
-        console.print(f"[bold red]error:[/] {cause}")
+        console.print(f"[bold red]error:[/] {cause}", soft_wrap=True)
         return 1
     finally:
         ray.shutdown()

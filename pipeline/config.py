@@ -8,6 +8,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import PipelineInputError
+from pipeline.sources import RetryConfig
 from pipeline.steps.dedup import DedupConfig
 from pipeline.steps.extract import ExtractConfig
 from pipeline.steps.language import LanguageConfig
@@ -18,14 +19,24 @@ from pipeline.steps.tokenize import TokenizeConfig
 class ExecutionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    batch_size: int = Field(256, ge=1)  # documents per Ray Data batch for the per-document steps
-    records_per_block: int = Field(1000, ge=1)  # rows the reader emits per block while streaming a file
+    batch_size: int = Field(1024, ge=1)  # documents per batch sent to the dedup index shards
+    records_per_block: int = Field(1000, ge=1)  # records filtered and written together while streaming a file
     rejected_rows_per_file: int = Field(100_000, ge=1)
+
+
+class InputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Transient read errors (connection reset, HTTP 5xx/429, S3 throttling) are retried, resuming at the byte
+    # already read; a file still unreadable after the attempts fails the run or, with
+    # ``extract.on_corrupt_file: drop``, becomes one ``corrupt_file`` drop.
+    retry: RetryConfig = Field(default_factory=RetryConfig)
 
 
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    input: InputConfig = Field(default_factory=InputConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     language: LanguageConfig = Field(default_factory=LanguageConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)

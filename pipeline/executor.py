@@ -1,224 +1,257 @@
-"""Run the pipeline steps on Ray Data. The steps know nothing of Ray; this module is the only plumbing.
+"""Run the pipeline on Ray: the driver lists the inputs, schedules four passes and assembles manifest and report
+from small per-file summaries. Workers read the inputs and write every data file (see ``file_tasks``).
 
-Flow: read files → extract → language → quality (streamed, materialised once) → insert dedup keys into the
-index actors → resolve clusters on the driver → mark duplicates → train the BPE on kept text → tokenize in
-parallel → the driver streams rows in a fixed order into token shards, document/rejected parquet, manifest
-and report, inside a staging directory renamed into place at the end.
+1. filter    (Ray Data, one task per input file): read → extract → language → quality → dedup keys, persisted
+             as ``work/filtered/FFFFF.parquet``.
+2. dedup     (Ray Data over the persisted keys → index shard actors): LSH buckets, verified candidates, clusters
+             by min-label propagation among the shards, decisions written by each shard.
+3. tokenize  (a worker trains the BPE on the kept text; Ray Data, one task per input file): decisions applied,
+             tokens, ``rejected/`` parts and token pieces.
+4. pack      (Ray tasks): consecutive pieces joined into ``tokens/{split}-NNNNN.bin`` + ``documents/``.
+
+Each unit of work leaves a marker in the staging directory, so ``--resume`` redoes only what is missing, and
+the finished directory is renamed into place (``pipeline.staging``). The driver never holds documents, edges
+or tokens: its memory is the input list and one summary per file.
 """
 
 from __future__ import annotations
 
-import glob
+import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 from rich.console import Console
+from tokenizers import Tokenizer
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineInputError
-from pipeline.output import RejectedWriter, SplitShardWriter, StagingDir, file_sha256, write_json
+from pipeline.errors import PipelineInputError, PipelineOutputError
+from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
+from pipeline.output import file_sha256, pack_shard, plan_shards, write_empty_rejected, write_json
+from pipeline.progress import PassProgress
 from pipeline.report import StageAccounting, print_summary, render_markdown, stage_rows
-from pipeline.schema import to_table
-from pipeline.steps.base import Step
-from pipeline.steps.dedup import BucketIndex, DedupKeys, MarkDuplicates, doc_key, exact_key, resolve_duplicates
-from pipeline.steps.extract import check_is_warc, read_wet
-from pipeline.steps.language import LanguageFilter
-from pipeline.steps.quality import QualityFilter
-from pipeline.steps.tokenize import EOT, TokenizeDocs, load_tokenizer, token_dtype, train_tokenizer
+from pipeline.sources import InputFile, list_inputs
+from pipeline.staging import RunStaging, write_json_atomic
+from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
+from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype
 
-WET_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".warc")
+log = logging.getLogger("pipeline")
 
 
-def resolve_inputs(pattern: str) -> list[Path]:
-    """A directory (its WARC/WET files, recursively) or a glob; sorted so file order never depends on the OS."""
-    path = Path(pattern)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(WET_SUFFIXES))
-    else:
-        files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    if not files:
-        raise PipelineInputError(f"{pattern}: matches no WARC/WET files ({', '.join(WET_SUFFIXES)})")
-    for f in files:
-        check_is_warc(f)
-    return files
+class OnRay:
+    """Call the dedup index shards as Ray actors; results stay references, so data goes shard to shard."""
+
+    def each(self, shards: list, method: str, args: list[tuple], num_returns: int = 1) -> list:
+        return [getattr(s, method).options(num_returns=num_returns).remote(*a) for s, a in zip(shards, args,
+                                                                                                  strict=True)]
+
+    def get(self, values: list) -> list:
+        return ray.get(values)
 
 
-# ---- per-batch functions Ray Data calls (module-level so they pickle by reference) ----
-
-
-def extract_files(batch: pa.Table, config: PipelineConfig) -> Iterator[pa.Table]:
-    """One input row per file → blocks of record rows, streamed so a large file never sits in memory."""
-    per_block = config.execution.records_per_block
-    for path in batch["path"].to_pylist():
-        rows: list[dict] = []
-        started = time.perf_counter()
-        for doc in read_wet(path, config.extract):
-            rows.append(doc)
-            if len(rows) >= per_block:
-                yield _timed(rows, "extract", time.perf_counter() - started)
-                rows, started = [], time.perf_counter()
-        if rows:
-            yield _timed(rows, "extract", time.perf_counter() - started)
-
-
-def _timed(rows: list[dict], step: str, seconds: float) -> pa.Table:
-    for row in rows:
-        row[f"t_{step}"] = seconds / len(rows)
-    return to_table(rows)
-
-
-def apply_step(batch: pa.Table, step: Step, timer: str) -> pa.Table:
-    rows = batch.to_pylist()
-    started = time.perf_counter()
-    step(rows)
-    return _timed(rows, timer, time.perf_counter() - started)
-
-
-def _index_edges(keyed: Iterator[tuple[int, bytes, str]], actors: list) -> list:
-    """Add (shard, key, doc key) triples to the index actor of each shard; return the edges they answer."""
-    by_actor: dict[int, tuple[list, list]] = {}
-    for shard, key, doc in keyed:
-        keys, ids = by_actor.setdefault(shard % len(actors), ([], []))
-        keys.append(key)
-        ids.append(doc)
-    answers = ray.get([actors[i].add.remote(keys, ids) for i, (keys, ids) in by_actor.items()])
-    return [edge for edges in answers for edge in edges]
-
-
-def insert_dedup_keys(batch: pa.Table, keys: DedupKeys, exact_actors: list, band_actors: list) -> dict[str, list]:
-    """Send this batch's bucket keys to the index actors; return its edges and the seconds each stage took."""
-    alive = batch.filter(pc.is_null(batch["reason"])).select(["warc_record_id", "source", "source_offset", "text"])
-    alive = alive.to_pylist()
-    cfg = keys.config
-    started = time.perf_counter()
-    exact_edges = []
-    if cfg.exact.enabled:
-        hashed = ((exact_key(d["text"]), doc_key(d)) for d in alive)
-        exact_edges = _index_edges(((int.from_bytes(k[:4], "little"), k, i) for k, i in hashed), exact_actors)
-    exact_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    minhash_edges = []
-    if cfg.minhash.enabled:
-        banded = ((band, key, doc_key(d)) for d in alive for band, key in keys.band_keys(d["text"]))
-        minhash_edges = _index_edges(banded, band_actors)
-    return {
-        "exact_edges": [exact_edges],
-        "minhash_edges": [minhash_edges],
-        "exact_seconds": [exact_seconds],
-        "minhash_seconds": [time.perf_counter() - started],
-    }
-
-
-# ---- the run ----
+def _root_cause(err: BaseException) -> BaseException:
+    """The pipeline's own error inside Ray's wrapping (Ray Data re-raises a worker's exception wrapped)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PipelineInputError | PipelineOutputError):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "cause", None) or current.__cause__
+    return err
 
 
 class PipelineRun:
     def __init__(
-        self, inputs: str, output: str | Path, config: PipelineConfig, overwrite: bool = False,
-        console: Console | None = None,
+        self, inputs: str | None, output: str | Path, config: PipelineConfig, overwrite: bool = False,
+        console: Console | None = None, *, input_list: str | None = None, base_url: str | None = None,
+        resume: bool = False,
     ) -> None:
-        self.files = resolve_inputs(inputs)
-        self.output = Path(output)
         self.config = config
-        self.overwrite = overwrite
+        self.files: list[InputFile] = list_inputs(inputs, input_list, base_url, config.input.retry)
+        self.output = Path(output)
         self.console = console or Console(stderr=True)
-        self.extra_seconds: dict[str, float] = {}
+        self.pass_seconds: dict[str, float] = {}
+        # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
+        self.staging = RunStaging(self.output, config.model_dump(mode="json"), [f.uri for f in self.files],
+                                  overwrite, resume)
 
     def _say(self, msg: str) -> None:
         self.console.print(f"[bold cyan]pipeline[/] {msg}")
 
     def run(self) -> dict:
         started = time.perf_counter()
-        staging = StagingDir(self.output, self.overwrite)
+        staging = self.staging
         try:
-            report = self._run_into(staging.path, started)
-        except BaseException:
-            staging.discard()
+            report = self._run_into(staging, started)
+        except Exception as err:
+            self._say(f"stopped; the work done so far is kept in {staging.path} (--resume continues it)")
+            cause = _root_cause(err)
+            if cause is not err:
+                raise cause from err
             raise
         staging.publish()
         print_summary(report, self.console)
         self._say(f"output: {self.output}")
         return report
 
-    def _run_into(self, root: Path, started: float) -> dict:
+    # ---- passes ----
+
+    def _map_files(self, staging: RunStaging | None, name: str, fn: Callable, items: list[dict], fn_kwargs: dict,
+                   count_bytes: bool) -> list[dict]:
+        """Run ``fn`` once per input file not yet done (Ray Data streams them with backpressure). ``fn`` returns
+        ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``."""
+        summaries = {it["index"]: staging.read_marker(f"{name}-{it['index']:05d}") for it in items
+                     if staging is not None and staging.is_done(f"{name}-{it['index']:05d}")}
+        todo = [it for it in items if it["index"] not in summaries]
+        total_bytes = sum(it["size"] for it in items) if count_bytes else 0
+        done_bytes = sum(s.get("bytes", 0) for s in summaries.values()) if count_bytes else 0
+        t0 = time.perf_counter()
+        with PassProgress(self.console, name, len(items), total_bytes, len(summaries), done_bytes) as bar:
+            if todo:
+                ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(fn, fn_kwargs=fn_kwargs)
+                for row in ds.iter_rows():
+                    summary = json.loads(row["summary"])
+                    if "error" in summary:
+                        error = PipelineOutputError if summary["error_type"] == "PipelineOutputError" else \
+                            PipelineInputError
+                        raise error(summary["error"])
+                    summaries[summary["index"]] = summary
+                    bar.advance(1, summary.get("bytes", 0) if count_bytes else 0)
+        self.pass_seconds[name] = time.perf_counter() - t0
+        return [summaries[it["index"]] for it in items]
+
+    def _dedup(self, staging: RunStaging, items: list[dict], filtered: list[dict]) -> dict:
+        if staging.is_done("dedup"):
+            return staging.read_marker("dedup")
+        cfg = self.config.dedup
+        t0 = time.perf_counter()
+        alive = sum(s["alive"] for s in filtered)
+        stats: dict = {"shards": [], "decisions": 0}
+        staging.paths.decisions_dir.mkdir(parents=True, exist_ok=True)
+        if alive and (cfg.exact.enabled or cfg.minhash.enabled):
+            index = ray.remote(BucketIndex).options(num_cpus=0)
+            shards = [index.remote(i, cfg) for i in range(cfg.num_index_actors)]
+            try:
+                # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
+                sent = self._map_files(None, "dedup", index_file, [it for it, s in zip(items, filtered, strict=True)
+                                                                  if s["alive"]],
+                                       {"paths": staging.paths, "shards": shards, "config": self.config}, False)
+                resolve_clusters(shards, OnRay())
+                written = ray.get([
+                    s.write_decisions.remote(str(staging.paths.decisions_dir / f"decisions-{i:03d}.parquet"))
+                    for i, s in enumerate(shards)
+                ])
+                stats = {"shards": ray.get([s.get_stats.remote() for s in shards]), "decisions": sum(written),
+                         "send_seconds": sum(s["seconds"] for s in sent)}
+            finally:
+                for s in shards:
+                    ray.kill(s)
+        self.pass_seconds["dedup"] = time.perf_counter() - t0
+        write_json_atomic(staging.paths.done("dedup"), stats)
+        return stats
+
+    def _tokenizer(self, staging: RunStaging, items: list[dict]) -> tuple[Tokenizer, float]:
+        path = staging.path / "tokenizer.json"
+        t0 = time.perf_counter()
+        if not staging.is_done("tokenizer"):
+            cfg = self.config.tokenize
+            if cfg.tokenizer_path:
+                load_tokenizer(cfg.tokenizer_path).save(str(path))
+            else:
+                ray.get(ray.remote(train_tokenizer_on_kept).options(name="train_tokenizer").remote(
+                    staging.paths, items, self.config))
+            write_json_atomic(staging.paths.done("tokenizer"), {"seconds": time.perf_counter() - t0})
+        self.pass_seconds["tokenizer"] = time.perf_counter() - t0
+        return load_tokenizer(path), staging.read_marker("tokenizer")["seconds"]
+
+    def _pack(self, staging: RunStaging, tokenized: list[dict]) -> list[dict]:
+        t0 = time.perf_counter()
+        plan = plan_shards([p for s in tokenized for p in s["pieces"]], self.config.tokenize.shard_tokens)
+        entries = {name: staging.read_marker(f"pack-{name}") for name, _ in plan if staging.is_done(f"pack-{name}")}
+        todo = [(name, pieces) for name, pieces in plan if name not in entries]
+        task = ray.remote(_pack_and_mark)
+        with PassProgress(self.console, "pack", len(plan), 0, len(entries), unit="shards") as bar:
+            pending = [task.options(name=f"pack {name}").remote(staging.path, name, pieces) for name, pieces in todo]
+            while pending:
+                ready, pending = ray.wait(pending)
+                for entry in ray.get(ready):
+                    entries[entry["name"]] = entry["entry"]
+                    bar.advance(1)
+        self.pass_seconds["pack"] = time.perf_counter() - t0
+        return [entries[name] for name, _ in plan]
+
+    def _run_into(self, staging: RunStaging, started: float) -> dict:
         from ray.data import DataContext
 
+        # Our per-pass progress replaces Ray Data's; its operator names still show in the Ray dashboard.
+        DataContext.get_current().enable_progress_bars = False
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
         cfg = self.config
-        DataContext.get_current().execution_options.preserve_order = True  # byte-identical reruns
-        source_hashes = [ray.remote(file_sha256).remote(str(f)) for f in self.files]
+        paths = staging.paths
+        items = [{"index": i, "uri": f.uri, "size": f.size or 0} for i, f in enumerate(self.files)]
+        self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
+        filtered = self._map_files(staging, "filter", filter_file, items, {"paths": paths, "config": cfg}, True)
+        dedup = self._dedup(staging, items, filtered)
+        tokenizer, tokenizer_seconds = self._tokenizer(staging, items)
+        tokenized = self._map_files(staging, "tokenize", tokenize_file, items,
+                                    {"paths": paths, "config": cfg, "tokenizer_json": tokenizer.to_str()}, False)
+        shards = self._pack(staging, tokenized)
+        if not any((staging.path / "rejected").glob("*.parquet")):
+            write_empty_rejected(staging.path / "rejected")
+        return self._write_manifest_and_report(staging, filtered, dedup, tokenized, shards, tokenizer,
+                                               tokenizer_seconds, started)
 
-        self._say(f"[1/4] extract → language → quality over {len(self.files)} files")
-        ds = ray.data.from_items([{"path": str(f)} for f in self.files], override_num_blocks=len(self.files))
-        ds = ds.map_batches(extract_files, batch_size=1, batch_format="pyarrow", fn_kwargs={"config": cfg})
-        for step, timer in [(LanguageFilter(cfg.language), "language"), (QualityFilter(cfg.quality), "quality")]:
-            ds = ds.map_batches(apply_step, batch_size=cfg.execution.batch_size, batch_format="pyarrow",
-                                fn_kwargs={"step": step, "timer": timer})
-        ds = ds.materialize()
-
-        self._say(f"[2/4] dedup: exact + MinHash-LSH in {cfg.dedup.num_index_actors}+"
-                  f"{cfg.dedup.num_index_actors} index actors")
-        decisions = self._find_duplicates(ds)
-        ds = ds.map_batches(apply_step, batch_size=cfg.execution.batch_size, batch_format="pyarrow",
-                            fn_kwargs={"step": MarkDuplicates(decisions), "timer": "dedup"})
-
-        self._say("[3/4] tokenizer")
-        tokenizer = self._tokenizer(ds, root)
-        ds = ds.map_batches(apply_step, batch_size=cfg.execution.batch_size, batch_format="pyarrow",
-                            fn_kwargs={"step": TokenizeDocs(tokenizer.to_str(), cfg.tokenize), "timer": "tokenize"})
-
-        self._say("[4/4] tokenize and write shards")
+    def _write_manifest_and_report(self, staging: RunStaging, filtered: list[dict], dedup: dict,
+                                   tokenized: list[dict], shards: list[dict], tokenizer: Tokenizer,
+                                   tokenizer_seconds: float, started: float) -> dict:
+        root = staging.path
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
-        writers = {s: SplitShardWriter(root, s, dtype, cfg.tokenize.shard_tokens) for s in ("train", "val")}
-        rejected = RejectedWriter(root, cfg.execution.rejected_rows_per_file)
         acc = StageAccounting()
-        tokens_out = 0
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            acc.add(batch)
-            dropped = pc.is_valid(batch["reason"])
-            rejected.add(batch.filter(dropped))
-            for doc in batch.filter(pc.invert(dropped)).to_pylist():
-                writers[doc["split"]].add(doc)
-                tokens_out += len(doc["tokens"])
-        rejected.finish()
-        shards = writers["train"].close() + writers["val"].close()
-
+        for s in filtered:
+            acc.add_summary(s)
+        for s in tokenized:
+            acc.add_summary(s)
+        shard_stats = dedup.get("shards", [])
+        acc.seconds["dedup_exact"] += sum(s["exact_seconds"] for s in shard_stats)
+        acc.seconds["dedup_minhash"] += sum(s["minhash_seconds"] + s["verify_seconds"] + s["resolve_seconds"]
+                                            for s in shard_stats) + dedup.get("send_seconds", 0.0)
+        acc.seconds["tokenize"] += tokenizer_seconds
+        tokens_out = sum(s["tokens"] for s in tokenized)
         wall = time.perf_counter() - started
-        sources = [
-            {"path": str(f), "sha256": sha, "bytes": f.stat().st_size, "records": acc.records_by_source[str(f)]}
-            for f, sha in zip(self.files, ray.get(source_hashes), strict=True)
-        ]
+        sources = [{"path": s["uri"], "sha256": s["sha256"], "bytes": s["bytes"], "records": s["records"]}
+                   for s in filtered]
         input_bytes = sum(s["bytes"] for s in sources)
         manifest = {
-            "tokenizer": {
-                "path": "tokenizer.json",
-                "sha256": file_sha256(root / "tokenizer.json"),
-                "vocab_size": vocab_size,
-                "eot_id": tokenizer.token_to_id(EOT),
-            },
+            "tokenizer": {"path": "tokenizer.json", "sha256": file_sha256(root / "tokenizer.json"),
+                          "vocab_size": vocab_size, "eot_id": tokenizer.token_to_id(EOT)},
             "dtype": dtype.name,
             "shards": shards,
             "sources": sources,
-            "config": cfg.model_dump(mode="json"),
+            "config": self.config.model_dump(mode="json"),
         }
         report = {
-            "input": {"files": len(self.files), "bytes": input_bytes, "records": acc.records},
-            "stages": stage_rows(acc, self.extra_seconds),
-            "output": {
-                "docs": acc.kept,
-                "tokens": tokens_out,
-                "shards": len(shards),
-                "bytes": tokens_out * dtype.itemsize,
-            },
+            "input": {"files": len(filtered), "bytes": input_bytes, "records": acc.records,
+                      "read_retries": sum(s["read_retries"] for s in filtered)},
+            "stages": stage_rows(acc),
+            "output": {"docs": acc.kept, "tokens": tokens_out, "shards": len(shards),
+                       "bytes": tokens_out * dtype.itemsize},
             "throughput": {
                 "input_mb_per_s": round(input_bytes / 1e6 / wall, 4),
                 "docs_per_s": round(acc.records / wall, 2),
                 "tokens_per_s": round(tokens_out / wall, 1),
                 "wall_seconds": round(wall, 3),
+            },
+            "passes": {name: round(s, 3) for name, s in self.pass_seconds.items()},
+            "dedup": {
+                "candidate_pairs": sum(s["candidates"] for s in shard_stats),
+                "verified_pairs": sum(s["verified"] for s in shard_stats),
+                "verify_seconds": round(sum(s["verify_seconds"] for s in shard_stats), 3),
+                "label_rounds": max((s["rounds"] for s in shard_stats), default=0),
+                "index_shards": len(shard_stats),
             },
         }
         write_json(root / "manifest.json", manifest)
@@ -226,56 +259,24 @@ class PipelineRun:
         (root / "report.md").write_text(render_markdown(report))
         return report
 
-    def _find_duplicates(self, ds) -> dict[str, tuple[str, str]]:
-        cfg = self.config.dedup
-        index = ray.remote(BucketIndex).options(num_cpus=0)
-        exact_actors = [index.remote() for _ in range(cfg.num_index_actors)]
-        band_actors = [index.remote() for _ in range(cfg.num_index_actors)]
-        try:
-            results = ds.map_batches(
-                insert_dedup_keys, batch_size=self.config.execution.batch_size, batch_format="pyarrow",
-                fn_kwargs={"keys": DedupKeys(cfg), "exact_actors": exact_actors, "band_actors": band_actors},
-            ).take_all()
-        finally:
-            for actor in exact_actors + band_actors:
-                ray.kill(actor)
-        t0 = time.perf_counter()
-        decisions = resolve_duplicates(
-            (tuple(e) for r in results for e in r["exact_edges"]),
-            (tuple(e) for r in results for e in r["minhash_edges"]),
-        )
-        self.extra_seconds["dedup_exact"] = sum(r["exact_seconds"] for r in results)
-        self.extra_seconds["dedup_minhash"] = sum(r["minhash_seconds"] for r in results) + time.perf_counter() - t0
-        return decisions
 
-    def _tokenizer(self, ds, root: Path):
-        cfg = self.config.tokenize
-        t0 = time.perf_counter()
-        if cfg.tokenizer_path:
-            tokenizer = load_tokenizer(cfg.tokenizer_path)
-        else:
-            tokenizer = train_tokenizer(self._training_texts(ds, cfg.train_max_chars), cfg)
-        tokenizer.save(str(root / "tokenizer.json"))
-        self.extra_seconds["tokenize"] = time.perf_counter() - t0
-        return tokenizer
+def _pack_and_mark(root: Path, name: str, pieces: list[dict]) -> dict:
+    from pipeline.staging import RunPaths
 
-    @staticmethod
-    def _training_texts(ds, max_chars: int) -> Iterator[str]:
-        seen = 0
-        for batch in ds.select_columns(["text", "reason"]).iter_batches(batch_format="pyarrow", batch_size=None):
-            for text in batch.filter(pc.is_null(batch["reason"]))["text"].to_pylist():
-                yield text
-                seen += len(text)
-                if seen >= max_chars:
-                    return
+    paths = RunPaths(root)
+    entry = pack_shard(root, paths.pieces_dir, pieces, name)
+    write_json_atomic(paths.done(f"pack-{name}"), entry)
+    return {"name": name, "entry": entry}
 
 
 def run_pipeline(
-    inputs: str, output: str | Path, config: PipelineConfig | None = None, overwrite: bool = False,
-    console: Console | None = None,
+    inputs: str | None, output: str | Path, config: PipelineConfig | None = None, overwrite: bool = False,
+    console: Console | None = None, *, input_list: str | None = None, base_url: str | None = None,
+    resume: bool = False,
 ) -> dict:
     """Run on the Ray instance this process is connected to (``ray.init`` is the caller's job)."""
-    return PipelineRun(inputs, output, config or PipelineConfig(), overwrite, console).run()
+    return PipelineRun(inputs, output, config or PipelineConfig(), overwrite, console, input_list=input_list,
+                       base_url=base_url, resume=resume).run()
 
 
-__all__ = ["PipelineRun", "resolve_inputs", "run_pipeline"]
+__all__ = ["PipelineRun", "run_pipeline"]

@@ -1,4 +1,11 @@
-"""Writers for the pipeline output directory (layout in DESIGN.md), and its atomic publication."""
+"""Writers for the pipeline output (layout in docs/formats.md), run inside Ray workers.
+
+A tokenize task writes its input file's kept documents as *pieces*: token runs that close at the first document
+end at or after ``shard_tokens``, each with its documents' parquet in token order. The pack step then joins
+consecutive pieces into the published shards ``tokens/{split}-NNNNN.bin`` (a shard closes at the first piece end
+at or after ``shard_tokens``), so every document lies whole in one shard and shards are not tiny when input
+files are.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,12 +20,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import PipelineOutputError
 from pipeline.schema import DOC_SCHEMA, KEPT_COLUMNS, REJECTED_COLUMNS
+from pipeline.staging import temp_name
 
 KEPT_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in KEPT_COLUMNS])
 REJECTED_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in REJECTED_COLUMNS])
 DOCS_PER_ROW_GROUP = 4096
+COPY_CHUNK = 1 << 22
 
 
 def file_sha256(path: str | Path) -> str:
@@ -30,46 +37,15 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-class StagingDir:
-    """Build the output in a sibling temporary directory; rename it into place only when complete.
-
-    A crash leaves at most a ``.tmp-*`` sibling, never a half-written directory under the requested name.
-    """
-
-    def __init__(self, output: Path, overwrite: bool) -> None:
-        self.output = output
-        self.overwrite = overwrite
-        if output.exists() and not output.is_dir():
-            raise PipelineOutputError(f"{output}: exists and is not a directory")
-        if output.is_dir() and any(output.iterdir()) and not overwrite:
-            raise PipelineOutputError(f"{output}: directory is not empty (pass --overwrite to replace it)")
-        parent = output.parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise PipelineOutputError(f"{parent}: cannot create output parent directory: {err}") from err
-        if not os.access(parent, os.W_OK):
-            raise PipelineOutputError(f"{parent}: not writable")
-        self.path = parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir()
-
-    def publish(self) -> None:
-        old = None
-        if self.output.exists():
-            old = self.output.parent / f".{self.output.name}.old-{uuid.uuid4().hex[:8]}"
-            self.output.rename(old)
-        self.path.rename(self.output)
-        if old is not None:
-            shutil.rmtree(old)
-
-    def discard(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+def write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 @dataclass
-class _OpenShard:
-    index: int
-    bin_path: Path
+class _OpenPiece:
+    name: str
+    bin_tmp: Path
+    docs_tmp: Path
     bin_file: object
     sha: object
     docs_writer: pq.ParquetWriter
@@ -84,87 +60,83 @@ class _OpenShard:
 
 
 @dataclass
-class SplitShardWriter:
-    """Token shards ``tokens/{split}-NNNNN.bin`` with their documents in ``documents/{split}-NNNNN.parquet``.
+class PieceWriter:
+    """Pieces ``{prefix}-KKK.bin`` + ``.parquet`` of one split of one input file, in ``directory``."""
 
-    A shard closes at the first document end at or after ``shard_tokens``, so every document lies whole in
-    one shard and its parquet row order is its order in the token stream.
-    """
-
-    root: Path
+    directory: Path
+    prefix: str
     split: str
     dtype: np.dtype
     shard_tokens: int
-    entries: list[dict] = field(default_factory=list)
-    _shard: _OpenShard | None = None
+    pieces: list[dict] = field(default_factory=list)
+    _piece: _OpenPiece | None = None
 
-    def _open(self) -> _OpenShard:
-        index = len(self.entries)
-        name = f"{self.split}-{index:05d}"
-        bin_path = self.root / "tokens" / f"{name}.bin"
-        bin_path.parent.mkdir(exist_ok=True)
-        (self.root / "documents").mkdir(exist_ok=True)
-        writer = pq.ParquetWriter(self.root / "documents" / f"{name}.parquet", KEPT_SCHEMA)
-        return _OpenShard(index, bin_path, open(bin_path, "wb"), hashlib.sha256(), writer)
+    def _open(self) -> _OpenPiece:
+        name = f"{self.prefix}-{len(self.pieces):03d}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        bin_tmp, docs_tmp = temp_name(self.directory / f"{name}.bin"), temp_name(self.directory / f"{name}.parquet")
+        writer = pq.ParquetWriter(docs_tmp, KEPT_SCHEMA)
+        return _OpenPiece(name, bin_tmp, docs_tmp, open(bin_tmp, "wb"), hashlib.sha256(), writer)
 
     def add(self, doc: dict) -> None:
-        if self._shard is None:
-            self._shard = self._open()
-        shard = self._shard
+        if self._piece is None:
+            self._piece = self._open()
+        piece = self._piece
         data = np.asarray(doc["tokens"], dtype=self.dtype).astype(self.dtype.newbyteorder("<")).tobytes()
-        shard.bin_file.write(data)
-        shard.sha.update(data)
-        shard.tokens += len(doc["tokens"])
-        shard.docs += 1
-        shard.pending.append(doc)
-        if len(shard.pending) >= DOCS_PER_ROW_GROUP:
-            shard.flush_docs()
-        if shard.tokens >= self.shard_tokens:
+        piece.bin_file.write(data)
+        piece.sha.update(data)
+        piece.tokens += len(doc["tokens"])
+        piece.docs += 1
+        piece.pending.append(doc)
+        if len(piece.pending) >= DOCS_PER_ROW_GROUP:
+            piece.flush_docs()
+        if piece.tokens >= self.shard_tokens:
             self._close()
 
     def _close(self) -> None:
-        shard = self._shard
-        if shard is None:
+        piece = self._piece
+        if piece is None:
             return
-        shard.bin_file.close()
-        shard.flush_docs()
-        shard.docs_writer.close()
-        self.entries.append(
-            {
-                "path": str(shard.bin_path.relative_to(self.root)),
-                "split": self.split,
-                "tokens": shard.tokens,
-                "docs": shard.docs,
-                "sha256": shard.sha.hexdigest(),
-            }
+        piece.bin_file.close()
+        piece.flush_docs()
+        piece.docs_writer.close()
+        os.replace(piece.bin_tmp, self.directory / f"{piece.name}.bin")
+        os.replace(piece.docs_tmp, self.directory / f"{piece.name}.parquet")
+        self.pieces.append(
+            {"name": piece.name, "split": self.split, "tokens": piece.tokens, "docs": piece.docs,
+             "sha256": piece.sha.hexdigest()}
         )
-        self._shard = None
+        self._piece = None
 
     def close(self) -> list[dict]:
         self._close()
-        return self.entries
+        return self.pieces
 
 
 class RejectedWriter:
-    """``rejected/part-NNNNN.parquet``, a new file every ``rows_per_file`` rows."""
+    """``rejected/part-FFFFF-KKK.parquet`` for input file FFFFF, a new part every ``rows_per_file`` rows."""
 
-    def __init__(self, root: Path, rows_per_file: int) -> None:
-        self.dir = root / "rejected"
-        self.dir.mkdir(exist_ok=True)
+    def __init__(self, directory: Path, file_index: int, rows_per_file: int) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file_index = file_index
         self.rows_per_file = rows_per_file
         self._writer: pq.ParquetWriter | None = None
+        self._name = ""
+        self._tmp = Path()
         self._rows = 0
-        self.files = 0
+        self.files: list[str] = []
 
     def add(self, table: pa.Table) -> None:
         offset = 0
         while offset < table.num_rows:
             if self._writer is None:
-                self._writer = pq.ParquetWriter(self.dir / f"part-{self.files:05d}.parquet", REJECTED_SCHEMA)
-                self.files += 1
+                self._name = f"part-{self.file_index:05d}-{len(self.files):03d}.parquet"
+                self._tmp = temp_name(self.dir / self._name)
+                self._writer = pq.ParquetWriter(self._tmp, REJECTED_SCHEMA)
                 self._rows = 0
             take = min(self.rows_per_file - self._rows, table.num_rows - offset)
-            self._writer.write_table(table.slice(offset, take).select(REJECTED_COLUMNS))
+            self._writer.write_table(table.slice(offset, take).select(REJECTED_COLUMNS).cast(REJECTED_SCHEMA))
             self._rows += take
             offset += take
             if self._rows >= self.rows_per_file:
@@ -173,14 +145,61 @@ class RejectedWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            os.replace(self._tmp, self.dir / self._name)
+            self.files.append(self._name)
             self._writer = None
 
-    def finish(self) -> None:
-        self.close()
-        if self.files == 0:  # readers of rejected/*.parquet get an empty table, not a missing-file error
-            pq.write_table(REJECTED_SCHEMA.empty_table(), self.dir / "part-00000.parquet")
-            self.files = 1
+
+def write_empty_rejected(directory: Path) -> None:
+    """Readers of rejected/*.parquet get an empty table, not a missing-file error, when nothing was dropped."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pq.write_table(REJECTED_SCHEMA.empty_table(), directory / "part-00000-000.parquet")
 
 
-def write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+def pack_shard(root: Path, pieces_dir: Path, pieces: list[dict], name: str) -> dict:
+    """Join consecutive pieces into ``tokens/{name}.bin`` and ``documents/{name}.parquet``; return its entry."""
+    tokens_dir, docs_dir = root / "tokens", root / "documents"
+    tokens_dir.mkdir(exist_ok=True)
+    docs_dir.mkdir(exist_ok=True)
+    sha = hashlib.sha256()
+    tmp_bin, tmp_docs = temp_name(tokens_dir / f"{name}.bin"), temp_name(docs_dir / f"{name}.parquet")
+    with open(tmp_bin, "wb") as out:
+        for piece in pieces:
+            with open(pieces_dir / f"{piece['name']}.bin", "rb") as src:
+                for chunk in iter(lambda src=src: src.read(COPY_CHUNK), b""):
+                    sha.update(chunk)
+                    out.write(chunk)
+    if len(pieces) == 1:
+        shutil.copyfile(pieces_dir / f"{pieces[0]['name']}.parquet", tmp_docs)
+    else:
+        with pq.ParquetWriter(tmp_docs, KEPT_SCHEMA) as writer:
+            for piece in pieces:
+                for batch in pq.ParquetFile(pieces_dir / f"{piece['name']}.parquet").iter_batches():
+                    writer.write_batch(batch)
+    os.replace(tmp_bin, tokens_dir / f"{name}.bin")
+    os.replace(tmp_docs, docs_dir / f"{name}.parquet")
+    return {
+        "path": f"tokens/{name}.bin",
+        "split": pieces[0]["split"],
+        "tokens": sum(p["tokens"] for p in pieces),
+        "docs": sum(p["docs"] for p in pieces),
+        "sha256": sha.hexdigest(),
+    }
+
+
+def plan_shards(pieces: list[dict], shard_tokens: int) -> list[tuple[str, list[dict]]]:
+    """Group pieces (in input-file order) into shards per split: a shard closes at the first piece end at or
+    after ``shard_tokens``. A pure function of the pieces, so shard names and contents are deterministic."""
+    plan: list[tuple[str, list[dict]]] = []
+    for split in ("train", "val"):
+        group: list[dict] = []
+        tokens = 0
+        for piece in (p for p in pieces if p["split"] == split):
+            group.append(piece)
+            tokens += piece["tokens"]
+            if tokens >= shard_tokens:
+                plan.append((f"{split}-{sum(1 for n, _ in plan if n.startswith(split)):05d}", group))
+                group, tokens = [], 0
+        if group:
+            plan.append((f"{split}-{sum(1 for n, _ in plan if n.startswith(split)):05d}", group))
+    return plan

@@ -5,49 +5,41 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.schema import STAGES, TIMED_STEPS
+from pipeline.schema import STAGES
 
 TOP_REASONS = 5
 
 
 @dataclass
 class StageAccounting:
-    """Counts gathered from the final rows: every record read is one row, dropped by at most one stage."""
+    """Counts gathered from the per-file summaries: every record read is kept or dropped by exactly one stage."""
 
     records: int = 0
     kept: int = 0
     drops: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
-    step_seconds: Counter = field(default_factory=Counter)
-    records_by_source: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
 
-    def add(self, table: pa.Table) -> None:
-        self.records += table.num_rows
-        dropped = pc.is_valid(table["reason"])
-        self.kept += table.num_rows - pc.sum(dropped).as_py() if table.num_rows else 0
-        for row in table.filter(dropped).group_by(["stage", "reason"]).aggregate([("reason", "count")]).to_pylist():
-            self.drops[row["stage"]][row["reason"]] += row["reason_count"]
-        for row in table.group_by("source").aggregate([("source", "count")]).to_pylist():
-            self.records_by_source[row["source"]] += row["source_count"]
-        for step in TIMED_STEPS:
-            self.step_seconds[step] += pc.sum(table[f"t_{step}"]).as_py() or 0.0
+    def add_summary(self, summary: dict) -> None:
+        """A filter summary (``records``, drops of extract/language/quality) or a tokenize summary (``kept``,
+        dedup and tokenize drops); ``seconds`` are worker seconds by step."""
+        self.records += summary.get("records", 0)
+        self.kept += summary.get("kept", 0)
+        for stage, reason, n in summary["drops"]:
+            self.drops[stage][reason] += n
+        for step, seconds in summary["seconds"].items():
+            self.seconds[_STEP_STAGE.get(step, step)] += seconds
 
 
-def stage_rows(acc: StageAccounting, extra_seconds: dict[str, float]) -> list[dict]:
-    """Per-stage rows in pipeline order. ``seconds`` are worker seconds spent in the stage's code (summed over
-    workers, so they can exceed wall time) plus driver-side work such as BPE training and cluster resolution."""
-    seconds = {
-        "extract": acc.step_seconds["extract"],
-        "language": acc.step_seconds["language"],
-        "quality": acc.step_seconds["quality"],
-        "dedup_exact": extra_seconds.get("dedup_exact", 0.0),
-        "dedup_minhash": extra_seconds.get("dedup_minhash", 0.0) + acc.step_seconds["dedup"],
-        "tokenize": extra_seconds.get("tokenize", 0.0) + acc.step_seconds["tokenize"],
-    }
+# Worker-side step timers that belong to a report stage other than their own name.
+_STEP_STAGE = {"dedup_keys": "dedup_minhash", "dedup_mark": "dedup_minhash"}
+
+
+def stage_rows(acc: StageAccounting) -> list[dict]:
+    """Per-stage rows in pipeline order. ``seconds`` are worker seconds spent in the stage's code, summed over
+    workers (so they can exceed wall time), including the dedup index shards and BPE training."""
     rows = []
     docs_in = acc.records
     for stage in STAGES:
@@ -59,7 +51,7 @@ def stage_rows(acc: StageAccounting, extra_seconds: dict[str, float]) -> list[di
                 "docs_out": docs_in - dropped,
                 "dropped": dropped,
                 "drop_rate": round(dropped / docs_in, 6) if docs_in else 0.0,
-                "seconds": round(seconds[stage], 3),
+                "seconds": round(acc.seconds[stage], 3),
                 "reasons": dict(acc.drops[stage].most_common()),
             }
         )

@@ -10,9 +10,8 @@ import pyarrow as pa
 
 from pipeline.steps.quality import QUALITY_SIGNALS
 
-# Stage order is the order of the report; ``seconds`` per stage are accumulated in t_<stage> columns.
+# Stage order is the order of the report.
 STAGES = ("extract", "language", "quality", "dedup_exact", "dedup_minhash", "tokenize")
-TIMED_STEPS = ("extract", "language", "quality", "dedup", "tokenize")
 
 RECORD_FIELDS = [
     pa.field("source", pa.string()),
@@ -32,18 +31,22 @@ DECISION_FIELDS = [
     pa.field("duplicate_of", pa.string()),
 ]
 TEXT_FIELD = pa.field("text", pa.large_string())
-WORK_FIELDS = [
-    pa.field("tokens", pa.list_(pa.uint32())),
-    pa.field("split", pa.string()),
-    *[pa.field(f"t_{step}", pa.float64()) for step in TIMED_STEPS],
+WORK_FIELDS = [pa.field("tokens", pa.list_(pa.uint32())), pa.field("split", pa.string())]
+# Dedup keys the filter pass persists for the dedup pass (null for documents already dropped).
+DEDUP_FIELDS = [
+    pa.field("exact_key", pa.binary(16)),
+    pa.field("signature", pa.binary()),  # MinHash signature, num_perm little-endian uint32
+    pa.field("shingles", pa.list_(pa.uint64())),  # sorted shingle hashes, only when minhash.verify = jaccard
 ]
 
 DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS])
+# work/filtered/NNNNN.parquet: every record of one input file after extract → language → quality, with keys.
+FILTERED_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *DEDUP_FIELDS])
 
 # documents/*.parquet and rejected/*.parquet (DESIGN.md): provenance, language, signals, text (+ decision).
 KEPT_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS)] + ["split", "text"]
 REJECTED_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS)] + ["text"]
 
 
-def to_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=DOC_SCHEMA)
+def to_table(rows: list[dict], schema: pa.Schema = DOC_SCHEMA) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)

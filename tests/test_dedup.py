@@ -2,8 +2,10 @@
 
 import random
 
+import numpy as np
 import pytest
 
+from pipeline.dedup_eval import pair_metrics, planted_set
 from pipeline.steps.dedup import (
     EXACT,
     MINHASH,
@@ -11,7 +13,6 @@ from pipeline.steps.dedup import (
     DedupKeys,
     deduplicate,
     normalise,
-    resolve_duplicates,
     shingles,
 )
 
@@ -100,18 +101,12 @@ def test_result_does_not_depend_on_order_or_index_sharding(long_texts):
     }
 
 
-def test_clusters_are_transitive_and_keep_one_survivor():
-    # a~b and b~c through different buckets: one cluster, kept = lowest id among non-exact-dropped members.
-    decisions = resolve_duplicates(exact_edges=[("c", "b")], minhash_edges=[("a", "b"), ("d", "c")])
-    assert decisions == {"c": (EXACT, "b"), "b": (MINHASH, "a"), "d": (MINHASH, "a")}
-
-
-def test_lsh_parameters_follow_the_threshold():
-    loose = DedupKeys(DedupConfig.model_validate({"minhash": {"threshold": 0.5}}))
-    strict = DedupKeys(DedupConfig())
-    assert loose.bands * loose.rows <= 128 and strict.bands * strict.rows <= 128
-    assert strict.rows > loose.rows  # a higher threshold needs longer bands
-    assert len(strict.band_keys("a b c d e f g")) == strict.bands
+def test_band_shape_is_validated_and_band_keys_have_one_column_per_band():
+    with pytest.raises(ValueError, match="exceeds num_perm"):
+        DedupConfig.model_validate({"minhash": {"bands": 30, "rows": 6}})
+    keys = DedupKeys(DedupConfig())
+    sigs = np.stack([keys.signature("a b c d e f g"), keys.signature("h i j k l m n")])
+    assert keys.band_keys(sigs).shape == (2, keys.bands)
 
 
 def test_already_dropped_documents_are_not_indexed(long_texts):
@@ -130,3 +125,21 @@ def test_a_file_given_twice_keeps_one_copy_of_each_record(long_texts):
     assert all(d["source"] == "a.warc.wet.gz" for d in kept)  # ties on record id go to the lower source
     dropped = [d for d in out if d.get("reason")]
     assert all(d["reason"] == "exact_duplicate" and d["duplicate_of"] == d["warc_record_id"] for d in dropped)
+
+
+@pytest.mark.parametrize("verify", ["jaccard", "signature"])
+def test_planted_near_duplicates_precision_and_recall(ccnet_texts, verify):
+    """No exact copies, exact dedup off: verified MinHash reaches ≥ 0.95 precision and recall at Jaccard 0.8."""
+    bases = [" ".join(t.split()[:400]) for t in ccnet_texts if len(t.split()) >= 150]
+    docs = planted_set(bases, 160, seed=0)
+    config = DedupConfig.model_validate({"exact": {"enabled": False}, "minhash": {"verify": verify}})
+    rows = deduplicate([doc(i, t) for i, t in docs], config)
+    dropped = {r["warc_record_id"]: r["duplicate_of"] for r in rows if r.get("reason")}
+    assert all(r["stage"] == MINHASH for r in rows if r.get("reason"))
+    metrics = pair_metrics(docs, dropped, threshold=0.8, ngram=5)
+    assert metrics.near_miss_pairs > 100 and metrics.true_pairs > 100  # both sides of the threshold are present
+    assert metrics.precision >= 0.95 and metrics.recall >= 0.95, metrics
+    unverified = deduplicate([doc(i, t) for i, t in docs], config.model_copy(
+        update={"minhash": config.minhash.model_copy(update={"verify": "none"})}))
+    unverified_dropped = {r["warc_record_id"]: r["duplicate_of"] for r in unverified if r.get("reason")}
+    assert pair_metrics(docs, unverified_dropped, 0.8, 5).precision < metrics.precision  # verification is what helps

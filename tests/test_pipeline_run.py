@@ -178,10 +178,11 @@ def test_corrupt_file_fails_the_run_naming_it_and_leaves_no_output(tmp_path):
     data[len(data) // 2 : len(data) // 2 + 8] = b"\xff" * 8
     (inputs / "bad.warc.wet.gz").write_bytes(data)
     out = tmp_path / "out"
-    with pytest.raises(Exception, match=r"bad\.warc\.wet\.gz: corrupt input"):
+    with pytest.raises(PipelineInputError, match=r"bad\.warc\.wet\.gz: corrupt input"):
         run_pipeline(str(inputs), out)
     assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+    # The good file's work is kept for --resume (after fixing the input), in the staging directory only.
+    assert (tmp_path / ".out.staging" / "work" / "filtered").is_dir()
 
 
 def test_sample_command_shows_documents_with_reasons(sample_run):

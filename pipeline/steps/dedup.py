@@ -1,34 +1,30 @@
 """dedup_exact and dedup_minhash: find duplicate clusters across all input files, keep the lowest record id.
 
-Deduplication needs to see every document before it can decide, so it runs in three parts:
+Deduplication has to see every document before it can decide, so it runs in three parts, each a plain Python
+object so the same code runs in-process (tests, bench: :func:`deduplicate`) and in Ray actors (the executor):
 
-1. ``DedupKeys`` (a pure function per batch) turns each surviving document into bucket keys: one exact key
-   (hash of the normalised text) and one key per MinHash-LSH band (datasketch MinHash over word 5-grams,
-   bands and rows chosen by datasketch for the Jaccard threshold).
-2. :class:`BucketIndex` holds the buckets. The executor runs several as Ray actors, the exact keys sharded by
-   hash and the LSH keys sharded by band, so the index scales past one process's memory. Each key maps to the
-   first document seen in its bucket; a later document in the same bucket yields an edge to it.
-3. :func:`resolve_duplicates` unions the edges into clusters and keeps the lowest record id of each cluster;
-   :class:`MarkDuplicates` drops the rest with ``duplicate_of``.
+1. :class:`DedupKeys` turns a document into its keys: the exact key (hash of the normalised text), a MinHash
+   signature over word n-grams, one LSH bucket key per band, and the sketch used to verify candidates.
+2. :class:`~pipeline.steps.dedup_index.BucketIndex` shards hold the buckets (exact keys and LSH bands spread
+   over the shards), verify every LSH candidate pair against ``minhash.threshold`` and keep the verified edges.
+3. The shards compute connected components among themselves by min-label propagation
+   (:func:`~pipeline.steps.dedup_index.resolve_clusters`), so no process ever holds every edge; each shard then
+   knows, for the documents it owns, whether they are exact or near duplicates and of which kept document.
 
-The order documents reach the index changes which edges exist but never the clusters, so the result is
-deterministic. As in datatrove's and NeMo Curator's default settings, LSH candidates are not re-verified
-against the exact Jaccard similarity; ``bench/pipeline_bench.py`` measures precision and recall.
+Exact clusters keep their lowest document key (record id first); near clusters are formed over exact and
+verified near edges and keep their lowest key, which is always an exact-cluster survivor.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import itertools
 import re
-import struct
 import unicodedata
-from collections.abc import Iterable
+from typing import Literal
 
 import numpy as np
-from datasketch import MinHash
-from datasketch.lsh import _optimal_param
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.steps.base import Doc, Step, drop
 
@@ -36,6 +32,11 @@ EXACT = "dedup_exact"
 MINHASH = "dedup_minhash"
 
 _PUNCT = re.compile(r"[^\w\s]", re.UNICODE)
+# Odd 64-bit constants: the n-gram rolling multiplier and splitmix64's finaliser (public-domain constants).
+_ROLL = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_MAX_ROWS_PER_CHUNK = 8192  # shingles hashed against all permutations at once (bounds memory on huge pages)
 
 
 class ExactDedupConfig(BaseModel):
@@ -52,9 +53,21 @@ class MinHashDedupConfig(BaseModel):
     num_perm: int = Field(128, ge=16)
     ngram: int = Field(5, ge=1)
     seed: int = 1
-    # Weights datasketch uses to pick (bands, rows) for the threshold; equal weights by default.
-    false_positive_weight: float = 0.5
-    false_negative_weight: float = 0.5
+    # Bands × rows are chosen for recall (a pair at Jaccard 0.8 becomes a candidate with p = 0.998 at 20 × 6);
+    # precision comes from verifying every candidate, not from the band shape. p(J) = 1 - (1 - J^rows)^bands.
+    bands: int = Field(20, ge=1)
+    rows: int = Field(6, ge=1)
+    # How a candidate pair is confirmed: ``jaccard`` = exact Jaccard of the two shingle sets (exact, stores each
+    # document's shingle hashes in the index); ``signature`` = the Jaccard estimated from the MinHash signatures
+    # (num_perm × 4 bytes per document; std error ≈ sqrt(J(1-J)/num_perm)); ``none`` = every LSH candidate is a
+    # duplicate (datatrove's and NeMo Curator's default).
+    verify: Literal["jaccard", "signature", "none"] = "jaccard"
+
+    @model_validator(mode="after")
+    def _bands_fit(self) -> MinHashDedupConfig:
+        if self.bands * self.rows > self.num_perm:
+            raise ValueError(f"bands × rows = {self.bands * self.rows} exceeds num_perm = {self.num_perm}")
+        return self
 
 
 class DedupConfig(BaseModel):
@@ -62,7 +75,7 @@ class DedupConfig(BaseModel):
 
     exact: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     minhash: MinHashDedupConfig = Field(default_factory=MinHashDedupConfig)
-    num_index_actors: int = Field(2, ge=1)  # Ray actors holding the bucket index shards
+    num_index_actors: int = Field(2, ge=1)  # index shards (Ray actors) holding buckets, sketches and labels
 
 
 def doc_key(doc: Doc) -> str:
@@ -85,119 +98,96 @@ def normalise(text: str) -> str:
 
 
 def exact_key(text: str) -> bytes:
-    return hashlib.blake2b(normalise(text).encode("utf-8"), digest_size=16).digest()
+    return _exact_key_of(normalise(text))
 
 
-def shingles(text: str, n: int) -> set[bytes]:
-    words = normalise(text).split()
-    if len(words) <= n:
-        return {" ".join(words).encode("utf-8")}
-    return {" ".join(words[i : i + n]).encode("utf-8") for i in range(len(words) - n + 1)}
+def _exact_key_of(normalised: str) -> bytes:
+    return hashlib.blake2b(normalised.encode("utf-8"), digest_size=16).digest()
+
+
+@functools.lru_cache(maxsize=1 << 20)
+def _word_hash(word: str) -> int:
+    # Python's hash() is salted per process; workers must agree, so a keyed-free stable hash is used.
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def shingle_hashes(text: str, n: int) -> np.ndarray:
+    """Sorted unique 64-bit hashes of the word n-grams of the normalised text (one n-gram if it is shorter).
+
+    Written with numpy rather than hashing each n-gram string (datasketch hashes every shingle with sha1 in
+    Python, the pipeline's slowest step): each word is hashed once, n-grams are combined vectorised.
+    """
+    return _shingle_hashes_of(normalise(text), n)
+
+
+def _shingle_hashes_of(normalised: str, n: int) -> np.ndarray:
+    words = normalised.split()
+    if not words:
+        return np.zeros(1, dtype=np.uint64)
+    wh = np.fromiter((_word_hash(w) for w in words), dtype=np.uint64, count=len(words))
+    count = max(1, len(words) - n + 1)
+    rolled = np.zeros(count, dtype=np.uint64)
+    for j in range(min(n, len(words))):
+        rolled = rolled * _ROLL + wh[j : j + count]
+    return np.unique(_mix(rolled))
+
+
+def shingles(text: str, n: int) -> set[int]:
+    """The word n-gram set, as hashes (what exact Jaccard is measured on)."""
+    return set(shingle_hashes(text, n).tolist())
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Exact Jaccard of two sorted unique hash arrays."""
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    return inter / (len(a) + len(b) - inter)
 
 
 class DedupKeys:
-    """Bucket keys of one document: the exact key and one key per LSH band."""
+    """Keys of one document: exact key, MinHash signature, LSH band keys, verification sketch."""
 
     def __init__(self, config: DedupConfig) -> None:
         self.config = config
         mh = config.minhash
-        self.bands, self.rows = _optimal_param(
-            mh.threshold, mh.num_perm, mh.false_positive_weight, mh.false_negative_weight
-        )
-        # One permutation set shared by every document: MinHash objects built with the same seed agree.
-        self._template = MinHash(num_perm=mh.num_perm, seed=mh.seed)
+        self.bands, self.rows = mh.bands, mh.rows
+        rng = np.random.default_rng(mh.seed)
+        # Multiply-shift hashing of the (already mixed) shingle hashes: one odd multiplier per permutation.
+        self._a = rng.integers(0, 2**64, size=mh.num_perm, dtype=np.uint64) | np.uint64(1)
+        self._b = rng.integers(0, 2**64, size=mh.num_perm, dtype=np.uint64)
+
+    def signature_of(self, hashes: np.ndarray) -> np.ndarray:
+        sig = np.full(len(self._a), np.iinfo(np.uint32).max, dtype=np.uint32)
+        for start in range(0, len(hashes), _MAX_ROWS_PER_CHUNK):
+            chunk = hashes[start : start + _MAX_ROWS_PER_CHUNK, None]
+            values = ((chunk * self._a + self._b) >> np.uint64(32)).astype(np.uint32)
+            np.minimum(sig, values.min(axis=0), out=sig)
+        return sig
 
     def signature(self, text: str) -> np.ndarray:
-        m = MinHash(num_perm=self.config.minhash.num_perm, seed=self.config.minhash.seed,
-                    permutations=self._template.permutations, scheme=self._template.scheme)
-        m.update_batch(list(shingles(text, self.config.minhash.ngram)))
-        return m.hashvalues
+        return self.signature_of(shingle_hashes(text, self.config.minhash.ngram))
 
-    def band_keys(self, text: str) -> list[tuple[int, bytes]]:
-        """(band index, key) per band; the band index picks the index shard."""
-        hv = self.signature(text)
-        return [
-            (b, struct.pack("<I", b) + hv[b * self.rows : (b + 1) * self.rows].tobytes())
-            for b in range(self.bands)
-        ]
+    def band_keys(self, signatures: np.ndarray) -> np.ndarray:
+        """(docs, bands) uint64 bucket keys from (docs, num_perm) signatures; the band index is mixed in."""
+        sig = signatures[:, : self.bands * self.rows].reshape(len(signatures), self.bands, self.rows)
+        key = np.broadcast_to(np.arange(self.bands, dtype=np.uint64), sig.shape[:2]).copy()
+        for r in range(self.rows):
+            key = _mix(key * _ROLL + sig[:, :, r].astype(np.uint64))
+        return key
 
-
-class BucketIndex:
-    """One shard of the bucket index. Plain class so it runs in-process in tests and as a Ray actor.
-
-    Written here rather than using datasketch's ``MinHashLSH``: that index answers a query with every earlier
-    document in any shared bucket, so a page duplicated k times produces k²/2 edges; keeping one head per
-    bucket keeps the edge count linear and lets the bands live in different processes.
-    """
-
-    def __init__(self) -> None:
-        self._heads: dict[bytes, str] = {}
-
-    def add(self, keys: list[bytes], ids: list[str]) -> list[tuple[str, str]]:
-        edges = []
-        for key, doc_id in zip(keys, ids, strict=True):
-            head = self._heads.setdefault(key, doc_id)
-            if head != doc_id:
-                edges.append((doc_id, head))
-        return edges
-
-    def size(self) -> int:
-        return len(self._heads)
-
-
-class _DisjointSet:
-    """Union-find with path halving; small enough that a dependency would not pay for itself."""
-
-    def __init__(self) -> None:
-        self.parent: dict[str, str] = {}
-
-    def find(self, x: str) -> str:
-        parent = self.parent
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(self, a: str, b: str) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            # The smaller id becomes the root, so a cluster's root is its lowest record id.
-            lo, hi = (ra, rb) if ra < rb else (rb, ra)
-            self.parent[hi] = lo
-
-    def clusters(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for x in list(self.parent):
-            out.setdefault(self.find(x), []).append(x)
-        return out
-
-
-def resolve_duplicates(
-    exact_edges: Iterable[tuple[str, str]], minhash_edges: Iterable[tuple[str, str]]
-) -> dict[str, tuple[str, str]]:
-    """Map each duplicate's :func:`doc_key` to (stage, key of the kept document of its cluster).
-
-    Exact duplicates are resolved first; near-duplicate clusters are then formed over all edges, and each
-    keeps its lowest record id among the documents the exact stage did not already drop.
-    """
-    decisions: dict[str, tuple[str, str]] = {}
-    exact_edges = list(exact_edges)
-    exact = _DisjointSet()
-    for a, b in exact_edges:
-        exact.union(a, b)
-    for root, members in exact.clusters().items():
-        for m in members:
-            if m != root:
-                decisions[m] = (EXACT, root)
-    near = _DisjointSet()
-    for a, b in itertools.chain(exact_edges, minhash_edges):  # an exact duplicate is also a near one
-        near.union(a, b)
-    for members in near.clusters().values():
-        survivors = sorted(m for m in members if m not in decisions)
-        for m in survivors[1:]:
-            decisions[m] = (MINHASH, survivors[0])
-    return decisions
+    def keys(self, text: str) -> tuple[bytes, np.ndarray, np.ndarray | None]:
+        """(exact key, signature, shingle hashes when ``verify: jaccard`` else None) of one document."""
+        normalised = normalise(text)
+        hashes = _shingle_hashes_of(normalised, self.config.minhash.ngram)
+        sketch = hashes if self.config.minhash.verify == "jaccard" else None
+        return _exact_key_of(normalised), self.signature_of(hashes), sketch
 
 
 class MarkDuplicates(Step):
@@ -215,29 +205,43 @@ class MarkDuplicates(Step):
                 drop(doc, stage, reason, duplicate_of=record_id_of(kept))
 
 
-def dedup_edges(
-    docs: list[Doc], keys: DedupKeys, exact_index: BucketIndex, band_indexes: list[BucketIndex]
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Insert the surviving documents of one batch into in-process indexes; return (exact, minhash) edges."""
-    exact_edges: list[tuple[str, str]] = []
-    minhash_edges: list[tuple[str, str]] = []
-    for doc in docs:
-        if doc.get("reason") is not None:
-            continue
-        doc_id = doc_key(doc)
-        if keys.config.exact.enabled:
-            exact_edges += exact_index.add([exact_key(doc["text"])], [doc_id])
-        if keys.config.minhash.enabled:
-            for band, key in keys.band_keys(doc["text"]):
-                minhash_edges += band_indexes[band % len(band_indexes)].add([key], [doc_id])
-    return exact_edges, minhash_edges
-
-
 def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]:
-    """Both dedup stages over an in-memory list (what the Ray executor does across actors)."""
+    """Both dedup stages over an in-memory list, through the same index shards the Ray executor runs."""
+    from pipeline.steps.dedup_index import BucketIndex, InProcess, resolve_clusters
+
     config = config or DedupConfig()
     keys = DedupKeys(config)
-    exact_edges, minhash_edges = dedup_edges(
-        docs, keys, BucketIndex(), [BucketIndex() for _ in range(config.num_index_actors)]
-    )
-    return MarkDuplicates(resolve_duplicates(exact_edges, minhash_edges))(docs)
+    shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
+    alive = [d for d in docs if d.get("reason") is None]
+    if alive:
+        exact, sigs, sketches = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
+        batch = {
+            "doc_keys": [doc_key(d) for d in alive],
+            "exact_keys": list(exact),
+            "band_keys": keys.band_keys(np.stack(sigs)),
+            "signatures": np.stack(sigs),
+            "sketches": list(sketches),
+        }
+        for shard in shards:
+            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
+    resolve_clusters(shards, InProcess())
+    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
+    return MarkDuplicates(decisions)(docs)
+
+
+def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
+    """The part of a batch of keys one index shard receives: exact keys by hash, LSH bands by band index."""
+    from pipeline.steps.dedup_index import owner_of
+
+    doc_keys = batch["doc_keys"]
+    exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
+             if owner_of(e, num_shards) == shard_id]
+    band_keys = batch["band_keys"]
+    bands = [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id] if len(doc_keys) else []
+    return {
+        "exact": exact,
+        "doc_keys": doc_keys if bands else [],
+        "band_keys": band_keys[:, bands] if bands else None,
+        "signatures": batch["signatures"] if bands else None,
+        "sketches": batch["sketches"] if bands else None,
+    }

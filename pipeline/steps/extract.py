@@ -25,6 +25,7 @@ from warcio.archiveiterator import ArchiveIterator
 from warcio.exceptions import ArchiveLoadFailed
 
 from pipeline.errors import PipelineInputError
+from pipeline.sources import InputUnreadableError
 from pipeline.steps.base import Doc, drop
 
 STAGE = "extract"
@@ -141,33 +142,65 @@ def _iterate(stream: BinaryIO, check_digests: bool) -> Iterator[tuple[object, by
 
 
 def read_wet(path: str | Path, config: ExtractConfig | None = None) -> Iterator[Doc]:
-    """Yield one row per WARC record of ``path`` (see the module docstring for how damage is handled)."""
+    """Yield one row per WARC record of the local file ``path`` (see :func:`read_records`)."""
+    with open(path, "rb") as fh:
+        yield from read_records(fh, str(path), config)
+
+
+def check_stream_is_warc(stream: BinaryIO, source: str) -> None:
+    """:func:`check_is_warc` on an open stream (remote inputs); rewinds it to the start afterwards."""
+    head = stream.read(2)
+    if not head:
+        raise PipelineInputError(f"{source}: empty file, expected a WARC/WET file")
+    stream.seek(0)
+    try:
+        first = gzip.GzipFile(fileobj=stream).read(8) if head == GZIP_MAGIC else stream.read(8)
+    except (OSError, EOFError, zlib.error) as err:
+        raise PipelineInputError(f"{source}: unreadable gzip stream ({err})") from err
+    stream.seek(0)
+    if not first.startswith(b"WARC/"):
+        raise PipelineInputError(f"{source}: not a WARC/WET file (it does not start with a 'WARC/' record header)")
+
+
+def read_records(stream: BinaryIO, source: str, config: ExtractConfig | None = None) -> Iterator[Doc]:
+    """Yield one row per WARC record of ``stream`` (see the module docstring for how damage is handled).
+
+    ``stream`` must allow ``seek(0)``: a WET file compressed as one gzip stream is re-read from the start.
+    """
     config = config or ExtractConfig()
-    source = str(path)
     offset = 0
     emitted = 0
     try:
-        with open(path, "rb") as fh:
-            try:
-                for record, payload, offset in _iterate(fh, config.check_digests):
-                    yield _record_to_doc(record, payload, source, offset, config)
+        fh = stream
+        try:
+            for record, payload, offset in _iterate(fh, config.check_digests):
+                yield _record_to_doc(record, payload, source, offset, config)
+                emitted += 1
+        except ArchiveLoadFailed as err:
+            if "non-chunked gzip" not in str(err) or emitted > 1:
+                raise
+            # One gzip stream around the whole file instead of one member per record: valid, just not
+            # seekable. Decompress it as a stream and parse again from the start.
+            fh.seek(0)
+            already, emitted = emitted, 0
+            with gzip.GzipFile(fileobj=fh) as plain:
+                for record, payload, offset in _iterate(io.BufferedReader(plain), config.check_digests):
                     emitted += 1
-            except ArchiveLoadFailed as err:
-                if "non-chunked gzip" not in str(err) or emitted > 1:
-                    raise
-                # One gzip stream around the whole file instead of one member per record: valid, just not
-                # seekable. Decompress it as a stream and parse again from the start.
-                fh.seek(0)
-                already, emitted = emitted, 0
-                with gzip.GzipFile(fileobj=fh) as plain:
-                    for record, payload, offset in _iterate(io.BufferedReader(plain), config.check_digests):
-                        emitted += 1
-                        if emitted > already:  # the first records were yielded before the error
-                            yield _record_to_doc(record, payload, source, offset, config)
+                    if emitted > already:  # the first records were yielded before the error
+                        yield _record_to_doc(record, payload, source, offset, config)
+    except InputUnreadableError:
+        # The bytes could not be fetched (after retries), as opposed to fetched and found damaged.
+        if config.on_corrupt_file == "fail":
+            raise
+        yield _corrupt_row(source, offset)
     except (ArchiveLoadFailed, OSError, EOFError, ValueError, zlib.error) as err:
         message = f"{source}: corrupt input after {emitted} records (near byte {offset}): {_describe(err)}"
         if config.on_corrupt_file == "fail":
             raise PipelineInputError(message) from err
-        row: Doc = {"source": source, "source_offset": offset, "warc_type": "unreadable", "text": None}
-        drop(row, STAGE, "corrupt_file")
-        yield row
+        yield _corrupt_row(source, offset)
+
+
+def _corrupt_row(source: str, offset: int) -> Doc:
+    row: Doc = {"source": source, "source_offset": offset, "warc_type": "unreadable", "text": None}
+    drop(row, STAGE, "corrupt_file")
+    return row

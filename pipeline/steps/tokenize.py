@@ -54,7 +54,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 @functools.cache
-def _tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
+def tokenizer_from_json(tokenizer_json: str) -> Tokenizer:
+    """Parsed once per worker process, however many files or batches it tokenizes."""
     return Tokenizer.from_str(tokenizer_json)
 
 
@@ -79,7 +80,7 @@ class TokenizeDocs(Step):
         self.config = config
 
     def apply(self, docs: list[Doc]) -> None:
-        tokenizer = _tokenizer_from_json(self.tokenizer_json)
+        tokenizer = tokenizer_from_json(self.tokenizer_json)
         eot = tokenizer.token_to_id(EOT)
         encodings = tokenizer.encode_batch([d["text"] for d in docs], add_special_tokens=False)
         for doc, enc in zip(docs, encodings, strict=True):

@@ -1,0 +1,277 @@
+"""The work of one input file in each pass, run in Ray workers; each writes its own output into the staging
+directory and returns only a small summary (counts, seconds, hashes) to the driver.
+
+* :func:`filter_file` — read (local or remote, retried), extract → language → quality, dedup keys; writes
+  ``work/filtered/FFFFF.parquet``.
+* :func:`index_keys` — a batch of persisted keys into the dedup index shards (Ray actors).
+* :func:`tokenize_file` — apply the dedup decisions, tokenize, write ``rejected/`` parts and token pieces.
+* :func:`train_tokenizer_on_kept` — the BPE on the kept text, in file order.
+
+Every function is a pure function of its input file, the config and the earlier passes' outputs, which is what
+makes reruns and resumed runs byte-identical.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.config import PipelineConfig
+from pipeline.errors import PipelineInputError, PipelineOutputError
+from pipeline.output import PieceWriter, RejectedWriter
+from pipeline.schema import FILTERED_SCHEMA, to_table
+from pipeline.sources import ReadStats, open_input
+from pipeline.staging import RunPaths, temp_name, write_json_atomic
+from pipeline.steps.base import Doc, is_dropped
+from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, shard_part
+from pipeline.steps.extract import check_stream_is_warc, read_records
+from pipeline.steps.language import LanguageFilter
+from pipeline.steps.quality import QualityFilter
+from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
+
+FILTER_STAGES = ("extract", "language", "quality")
+
+
+def reports_input_errors(fn: Callable[..., dict]) -> Callable[..., dict]:
+    """Return a bad input or output as the task's summary: Ray Data drops an exception's type and cause on
+    the way to the driver, and the driver must be able to name the file at fault in a clean error."""
+
+    @functools.wraps(fn)
+    def run(item: dict, **kwargs: Any) -> dict:
+        try:
+            return fn(item, **kwargs)
+        except (PipelineInputError, PipelineOutputError) as err:
+            error = {"index": item["index"], "error": str(err), "error_type": type(err).__name__}
+            return {"summary": json.dumps(error)}
+
+    return run
+
+
+def _timed(it: Iterator[Doc], seconds: Counter, key: str) -> Iterator[Doc]:
+    """Charge the time spent producing each item of ``it`` to ``seconds[key]``."""
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            seconds[key] += time.perf_counter() - started
+            return
+        seconds[key] += time.perf_counter() - started
+        yield item
+
+
+def _blocks(rows: Iterator[Doc], size: int) -> Iterator[list[Doc]]:
+    block: list[Doc] = []
+    for row in rows:
+        block.append(row)
+        if len(block) >= size:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def _add_keys(block: list[Doc], keys: DedupKeys, config: PipelineConfig) -> None:
+    dedup = config.dedup
+    if not (dedup.exact.enabled or dedup.minhash.enabled):
+        return
+    for doc in block:
+        if is_dropped(doc):
+            continue
+        exact, signature, sketch = keys.keys(doc["text"])
+        doc["exact_key"] = exact
+        doc["signature"] = signature.astype("<u4").tobytes()
+        if sketch is not None:
+            doc["shingles"] = sketch
+
+
+@reports_input_errors
+def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
+    """Pass 1 for one input file; returns its summary (also written as the file's marker)."""
+    index, uri = item["index"], item["uri"]
+    seconds: Counter = Counter()
+    drops: Counter = Counter()
+    records = 0
+    steps = [LanguageFilter(config.language), QualityFilter(config.quality)]
+    keys = DedupKeys(config.dedup)
+    out = paths.filtered(index)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(out)
+    stats = ReadStats()
+    with pq.ParquetWriter(tmp, FILTERED_SCHEMA) as writer, open_input(uri, config.input.retry, stats) as stream:
+        check_stream_is_warc(stream, uri)
+        rows = _timed(read_records(stream, uri, config.extract), seconds, "extract")
+        for block in _blocks(rows, config.execution.records_per_block):
+            for step in steps:
+                started = time.perf_counter()
+                step(block)
+                seconds[step.name] += time.perf_counter() - started
+            started = time.perf_counter()
+            _add_keys(block, keys, config)
+            seconds["dedup_keys"] += time.perf_counter() - started
+            records += len(block)
+            drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
+            writer.write_table(to_table(block, FILTERED_SCHEMA))
+        while stream.read(1 << 22):  # hash the whole file as read, even bytes after the last record
+            pass
+    tmp.replace(out)
+    summary = {
+        "index": index,
+        "uri": uri,
+        "bytes": stats.bytes,
+        "sha256": stats.sha256,
+        "read_retries": stats.retries,
+        "records": records,
+        "alive": records - sum(drops.values()),
+        "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
+        "seconds": dict(seconds),
+    }
+    write_json_atomic(paths.done(f"filter-{index:05d}"), summary)
+    return {"summary": json.dumps(summary)}
+
+
+KEY_COLUMNS = ["warc_record_id", "source", "source_offset", "reason", "exact_key", "signature", "shingles"]
+
+
+@reports_input_errors
+def index_file(item: dict, paths: RunPaths, shards: list, config: PipelineConfig) -> dict:
+    """Pass 2 for one input file: send its persisted keys to the index shards (Ray actors), batch by batch."""
+    started = time.perf_counter()
+    docs = 0
+    source = pq.ParquetFile(paths.filtered(item["index"]))
+    for batch in source.iter_batches(batch_size=config.execution.batch_size, columns=KEY_COLUMNS):
+        docs += index_keys(pa.Table.from_batches([batch]), shards, config)
+    return {"summary": json.dumps({"index": item["index"], "docs": docs,
+                                   "seconds": time.perf_counter() - started})}
+
+
+def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
+    """Send one batch of persisted keys to the index shards; return how many documents were sent."""
+    import ray
+
+    alive = batch.filter(pc.is_null(batch["reason"]))
+    if alive.num_rows == 0:
+        return 0
+    keys = DedupKeys(config.dedup)
+    num_perm = config.dedup.minhash.num_perm
+    signatures = np.frombuffer(b"".join(alive["signature"].to_pylist()), dtype="<u4").reshape(-1, num_perm)
+    sketches = (
+        [np.asarray(s, dtype=np.uint64) for s in alive["shingles"].to_pylist()]
+        if config.dedup.minhash.verify == "jaccard" else [None] * alive.num_rows
+    )
+    rows = alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()
+    keyed = {
+        "doc_keys": [doc_key(r) for r in rows],
+        "exact_keys": alive["exact_key"].to_pylist() if config.dedup.exact.enabled else [],
+        "band_keys": keys.band_keys(signatures) if config.dedup.minhash.enabled else np.zeros((len(rows), 0)),
+        "signatures": signatures,
+        "sketches": sketches,
+    }
+    if not config.dedup.exact.enabled:
+        keyed["exact_keys"] = [None] * len(rows)
+    parts = [shard_part(keyed, i, len(shards)) for i in range(len(shards))]
+    if not config.dedup.exact.enabled:
+        for part in parts:
+            part["exact"] = []
+    ray.get([shard.add.remote(**part) for shard, part in zip(shards, parts, strict=True)])
+    return alive.num_rows
+
+
+def load_decisions(paths: RunPaths, source: str) -> dict[str, tuple[str, str]]:
+    """The dedup decisions for the documents of one input file (each index shard wrote its own file)."""
+    files = sorted(paths.decisions_dir.glob("decisions-*.parquet"))
+    decisions: dict[str, tuple[str, str]] = {}
+    for f in files:
+        table = pq.read_table(f, filters=[("source", "=", source)])
+        for key, stage, kept in zip(table["doc_key"].to_pylist(), table["stage"].to_pylist(),
+                                    table["duplicate_of"].to_pylist(), strict=True):
+            decisions[key] = (stage, kept)
+    return decisions
+
+
+def _filtered_batches(paths: RunPaths, index: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    yield from pq.ParquetFile(paths.filtered(index)).iter_batches(batch_size=1024, columns=columns)
+
+
+def kept_texts(paths: RunPaths, items: list[dict], max_chars: int) -> Iterator[str]:
+    """Kept documents' text in input order (after dedup), up to ``max_chars`` characters."""
+    seen = 0
+    for item in items:
+        decisions = MarkDuplicates(load_decisions(paths, item["uri"]))
+        for batch in _filtered_batches(paths, item["index"], ["warc_record_id", "source", "source_offset", "stage",
+                                                              "reason", "text"]):
+            rows = decisions(batch.to_pylist())
+            for row in rows:
+                if not is_dropped(row):
+                    yield row["text"]
+                    seen += len(row["text"])
+                    if seen >= max_chars:
+                        return
+
+
+def train_tokenizer_on_kept(paths: RunPaths, items: list[dict], config: PipelineConfig) -> dict:
+    """Train the BPE in a worker (the driver only coordinates) and save it as ``tokenizer.json``."""
+    from pipeline.steps.tokenize import train_tokenizer
+
+    started = time.perf_counter()
+    tokenizer = train_tokenizer(kept_texts(paths, items, config.tokenize.train_max_chars), config.tokenize)
+    tmp = temp_name(paths.root / "tokenizer.json")
+    tokenizer.save(str(tmp))
+    tmp.replace(paths.root / "tokenizer.json")
+    return {"seconds": time.perf_counter() - started}
+
+
+@reports_input_errors
+def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer_json: str) -> dict:
+    """Pass 3 for one input file: dedup decisions, tokens, ``rejected/`` parts and token pieces."""
+    index, uri = item["index"], item["uri"]
+    seconds: Counter = Counter()
+    drops: Counter = Counter()
+    started = time.perf_counter()
+    mark = MarkDuplicates(load_decisions(paths, uri))
+    seconds["dedup_mark"] += time.perf_counter() - started
+    tokenize = TokenizeDocs(tokenizer_json, config.tokenize)
+    dtype = token_dtype(tokenizer_from_json(tokenizer_json).get_vocab_size())
+    writers = {s: PieceWriter(paths.pieces_dir, f"{s}-{index:05d}", s, dtype, config.tokenize.shard_tokens)
+               for s in ("train", "val")}
+    rejected = RejectedWriter(paths.root / "rejected", index, config.execution.rejected_rows_per_file)
+    kept = tokens = 0
+    for batch in _filtered_batches(paths, index):
+        rows = batch.to_pylist()
+        started = time.perf_counter()
+        mark(rows)
+        seconds["dedup_mark"] += time.perf_counter() - started
+        started = time.perf_counter()
+        tokenize(rows)
+        seconds["tokenize"] += time.perf_counter() - started
+        drops.update((r["stage"], r["reason"]) for r in rows if is_dropped(r) and r["stage"] not in FILTER_STAGES)
+        dropped_rows = [r for r in rows if is_dropped(r)]
+        if dropped_rows:
+            rejected.add(pa.Table.from_pylist(dropped_rows, schema=FILTERED_SCHEMA))
+        for row in rows:
+            if not is_dropped(row):
+                writers[row["split"]].add(row)
+                kept += 1
+                tokens += len(row["tokens"])
+    rejected.close()
+    pieces = writers["train"].close() + writers["val"].close()
+    summary = {
+        "index": index,
+        "kept": kept,
+        "tokens": tokens,
+        "pieces": pieces,
+        "rejected_files": rejected.files,
+        "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
+        "seconds": dict(seconds),
+    }
+    write_json_atomic(paths.done(f"tokenize-{index:05d}"), summary)
+    return {"summary": json.dumps(summary)}
