@@ -18,8 +18,14 @@ from rich.progress import (
 log = logging.getLogger("pipeline")
 
 
+LOG_EVERY_S = 30.0  # where there is no terminal (ray job logs, CI), a progress line this often
+
+
 class PassProgress:
-    """One pass: ``advance(files, bytes)`` as work units finish; rates are over this invocation's work."""
+    """One pass: ``advance(files, bytes)`` as work units finish; rates are over this invocation's work.
+
+    On a terminal a rich progress bar; elsewhere a log line every ``LOG_EVERY_S`` seconds with the same numbers.
+    """
 
     def __init__(self, console: Console, name: str, total_units: int, total_bytes: int, done_units: int = 0,
                  done_bytes: int = 0, unit: str = "files") -> None:
@@ -43,6 +49,8 @@ class PassProgress:
             disable=not console.is_terminal,
         )
         self._task = self._progress.add_task(name, total=total_units, completed=done_units, rate="")
+        self._log_lines = not console.is_terminal
+        self._last_log = self._started
         if done_units:
             log.info("%s: %d of %d %s already done (resumed)", name, done_units, total_units, unit)
 
@@ -56,6 +64,12 @@ class PassProgress:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         rate = f"{self._new_bytes / 1e6 / elapsed:.2f} MB/s" if self.total_bytes else ""
         self._progress.update(self._task, advance=units, rate=rate)
+        now = time.perf_counter()
+        if self._log_lines and now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            task = self._progress.tasks[0]
+            eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"
+            log.info("%s: %d/%d %s %s ETA %s", self.name, task.completed, task.total, self.unit, rate, eta)
 
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()

@@ -39,3 +39,12 @@ def test_already_dropped_documents_are_left_alone():
     docs = [{"text": FRENCH, "stage": "extract", "reason": "truncated_record"}]
     LanguageFilter()(docs)
     assert docs[0]["reason"] == "truncated_record" and "language" not in docs[0]
+
+
+def test_language_is_read_from_a_bounded_prefix():
+    page = ENGLISH + "\n" + (FRENCH + "\n") * 40  # English head, long French body
+    prefix = LanguageFilter(LanguageConfig(max_chars=len(ENGLISH)))(docs_of(page))[0]
+    whole = LanguageFilter(LanguageConfig(max_chars=None, languages=["fr"]))(docs_of(page))[0]
+    assert prefix["language"] == "en" and prefix.get("reason") is None
+    assert whole["language"] == "fr" and whole.get("reason") is None
+    assert normalise_for_lid("a  b\n\nc " * 1000, max_chars=5) == "a b c"

