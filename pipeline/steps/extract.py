@@ -45,21 +45,12 @@ class ExtractConfig(BaseModel):
 
 
 def check_is_warc(path: str | Path) -> None:
-    """Fail fast, before Ray starts work, on a file that is empty or is not a (gzipped) WARC/WET file."""
+    """Fail on a local file that is missing, empty or not a (gzipped) WARC/WET file, naming it."""
     path = Path(path)
     if not path.is_file():
         raise PipelineInputError(f"{path}: no such file")
     with open(path, "rb") as fh:
-        head = fh.read(2)
-        if not head:
-            raise PipelineInputError(f"{path}: empty file, expected a WARC/WET file")
-        fh.seek(0)
-        try:
-            first = gzip.GzipFile(fileobj=fh).read(8) if head == GZIP_MAGIC else fh.read(8)
-        except (OSError, EOFError, zlib.error) as err:
-            raise PipelineInputError(f"{path}: unreadable gzip stream ({err})") from err
-    if not first.startswith(b"WARC/"):
-        raise PipelineInputError(f"{path}: not a WARC/WET file (it does not start with a 'WARC/' record header)")
+        check_stream_is_warc(fh, str(path))
 
 
 def _header(record, name: str) -> str | None:
@@ -148,7 +139,7 @@ def read_wet(path: str | Path, config: ExtractConfig | None = None) -> Iterator[
 
 
 def check_stream_is_warc(stream: BinaryIO, source: str) -> None:
-    """:func:`check_is_warc` on an open stream (remote inputs); rewinds it to the start afterwards."""
+    """Fail on a stream that is empty or does not start with a WARC record; rewinds it to the start."""
     head = stream.read(2)
     if not head:
         raise PipelineInputError(f"{source}: empty file, expected a WARC/WET file")
