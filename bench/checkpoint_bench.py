@@ -1,6 +1,7 @@
 """Checkpoint cost for two model sizes: synchronous save, async save stall, load, bytes written.
 
     .venv/bin/python bench/checkpoint_bench.py [--data DIR] [--out runs/bench/checkpoint] [--repeats 3]
+    .venv/bin/python bench/checkpoint_bench.py --smoke   # 1 repeat, the demo model only
 
 In one process (world size 1, ``single``), with the same ``Checkpointer`` and DCP format that Ray
 runs use, writing straight into a local run dir (Ray runs add Ray Train's copy from the rank's staging
@@ -137,7 +138,12 @@ def main() -> None:
     parser.add_argument("--data", help="pipeline output dir (default: build the tests' small data dir)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "checkpoint"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest setting (the tests use it): --repeats 1 and the demo model only")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats = 1
+    models = dict(list(MODELS.items())[:1]) if args.smoke else MODELS
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -153,7 +159,7 @@ def main() -> None:
             build_token_dir(data)
     rows = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        for name, model in MODELS.items():
+        for name, model in models.items():
             rows.append((name, measure(data, Path(tmp), model, args.repeats)))
     print("\n### Checkpoint cost (1 process, CPU, local disk; medians of", args.repeats, "repeats)\n")
     print("| model | params | bytes written | sync save s | async stall s (first save) | async stall s "

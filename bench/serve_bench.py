@@ -156,9 +156,12 @@ def make_random_model(out: Path) -> Path:
     from train.model import GPT, GPTConfig
 
     texts = []
-    for path in sorted(Path(__file__).resolve().parents[2] / "shared" / "data" / "ccnet-text".glob("*.jsonl.gz")):
+    # Parenthesised: without them ``.glob`` binds to the string "ccnet-text" (AttributeError: 'str' ... 'glob').
+    for path in sorted((REPO.parent / "shared" / "data" / "ccnet-text").glob("*.jsonl.gz")):
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             texts += [json.loads(line)["text"] for line in fh if line.strip()]
+    if not texts:
+        raise SystemExit(f"{REPO.parent / 'shared' / 'data' / 'ccnet-text'}: no *.jsonl.gz to train the tokenizer on")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

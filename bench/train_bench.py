@@ -8,6 +8,7 @@
    for the demo model and GPT-2 small, measured by summing each rank's local tensors after one step.
 
     .venv/bin/python bench/train_bench.py [--data DIR] [--out runs/bench/train]
+    .venv/bin/python bench/train_bench.py --smoke   # 1 step, 1 round, memory table for the demo model only
 
 Without --data it builds the tests' small data dir (real Common Crawl text, 512-token BPE).
 """
@@ -116,14 +117,15 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
 
 
 # ---------------------------------------------------------------- 2. memory
-def _memory_worker(rank: int, world: int, port: int, result_path: str) -> None:
+def _memory_worker(rank: int, world: int, port: int, result_path: str, models: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ctx = DistContext(rank=rank, world_size=world, device=torch.device("cpu"))
     optim_config = load_config(None).optimizer
     results = []
-    for name, model_config in MEMORY_MODELS.items():
+    for name in models:
+        model_config = MEMORY_MODELS[name]
         for strategy in ("ddp", "fsdp"):
             torch.manual_seed(0)
             gpt = GPT(model_config)
@@ -144,13 +146,13 @@ def _memory_worker(rank: int, world: int, port: int, result_path: str) -> None:
     dist.destroy_process_group()
 
 
-def memory(world: int = 2) -> list[dict[str, Any]]:
+def memory(models: list[str], world: int = 2) -> list[dict[str, Any]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "memory.json")
-        mp.spawn(_memory_worker, args=(world, port, result_path), nprocs=world, join=True)
+        mp.spawn(_memory_worker, args=(world, port, result_path, models), nprocs=world, join=True)
         return json.loads(Path(result_path).read_text())
 
 
@@ -215,7 +217,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "train"))
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest setting (the tests use it): --steps 1 --rounds 1, and the memory table for the "
+                             "demo model only (skips GPT-2 small, the slow part)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rounds = 1, 1
+    models = list(MEMORY_MODELS)[:1] if args.smoke else list(MEMORY_MODELS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.data:
@@ -226,7 +234,7 @@ def main() -> None:
 
         data_dir = build_token_dir(out / "data")
     speed = throughput(data_dir, out, args.steps, args.rounds)
-    mem = memory()
+    mem = memory(models)
     table = render(speed, mem, out)
     (out / "train_bench.md").write_text(table + "\n")
     (out / "train_bench.json").write_text(json.dumps({"throughput": speed, "memory": mem}, indent=2))

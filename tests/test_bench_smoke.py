@@ -1,0 +1,198 @@
+"""The benchmarks still run: each bench script at its smallest setting, in a subprocess, prints its table.
+
+These check that the scripts work end to end (they rot silently otherwise); they assert nothing about speed.
+Each script runs once, every section of it included: pipeline_bench --smoke (two pipeline runs, one datatrove
+run: ~70 s on 2 cores) and serve_bench (Ray + Serve start-up: ~40 s) dominate; checkpoint_bench --smoke and
+train_bench --smoke (demo model only: GPT-2 small's memory table is the default run's) take seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+LIMIT_S = 300  # a subprocess that hangs fails the test instead of the whole run
+
+
+def run_script(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=LIMIT_S,
+                          check=False)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_html_tree(root: Path, texts: list[str]) -> None:
+    """A small documentation-like tree: nested pages, an Apache-style language variant, a gzipped page, plus
+    things that are not pages (a symlink, CSS, an empty file)."""
+    for i, text in enumerate(texts):
+        sub = root / "usr" / "share" / "doc" / "demo" / f"part{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        paragraphs = "".join(f"<p>{p}</p>" for p in text.split("\n") if p.strip())
+        page = f"<!DOCTYPE html><html><head><title>Page {i}</title></head><body><main>{paragraphs}</main></body></html>"
+        name = f"page{i:03d}.html" if i % 5 else f"page{i:03d}.html.en"
+        (sub / name).write_text(page, encoding="utf-8")
+    (root / "zipped.html.gz").write_bytes(gzip.compress(b"<html><body><p>Compressed page.</p></body></html>", mtime=0))
+    (root / "style.css").write_text("body { color: black }")
+    (root / "empty.html").write_text("")
+    (root / "link.html").symlink_to(root / "zipped.html.gz")
+
+
+def read_warc(path: Path) -> list:
+    from warcio.archiveiterator import ArchiveIterator
+
+    out = []
+    with open(path, "rb") as fh:
+        for record in ArchiveIterator(fh):
+            out.append((record.rec_type, record.rec_headers, record.http_headers, record.content_stream().read()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def html_tree(tmp_path_factory, ccnet_texts) -> Path:
+    root = tmp_path_factory.mktemp("html")
+    write_html_tree(root, ccnet_texts[:20])
+    return root
+
+
+def test_debian_warc_from_local_html_is_deterministic_and_readable(tmp_path, html_tree):
+    out = tmp_path / "warc"
+    proc = run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
+                      "--html-dir", str(html_tree))
+    assert json.loads(proc.stdout)["files"] == 2
+    assert "sources exhausted" in proc.stderr  # 5 MB asked, the tree is smaller: says so, writes what there is
+    files = sorted(out.glob("*.warc.gz"))
+    assert [f.name for f in files] == ["debian-docs-00000.warc.gz", "debian-docs-00001.warc.gz"]
+    meta = json.loads((out / "debian-warc.json").read_text())
+    assert [f["sha256"] for f in meta["files"]] == [sha256(f) for f in files]
+
+    records = [r for f in files for r in read_warc(f)]
+    assert all(read_warc(f)[0][0] == "warcinfo" for f in files)
+    responses = [r for r in records if r[0] == "response"]
+    # 20 pages + the gzipped one; not the symlink, the CSS or the empty file.
+    assert len(responses) == 21 == meta["records"]
+    ids = {r[1].get_header("WARC-Record-ID") for r in responses}
+    assert len(ids) == 21
+    for _, warc_headers, http_headers, body in responses:
+        assert http_headers.get_statuscode() == "200"
+        assert http_headers.get_header("Content-Type").startswith("text/html")
+        assert warc_headers.get_header("WARC-Target-URI").startswith("https://")
+        assert warc_headers.get_header("WARC-Date") == meta["warc_date"]
+        assert body.lstrip().startswith(b"<")
+    assert any(b"Compressed page." in r[3] for r in responses)
+    # Records go to the smaller file: the two files end within a record of each other.
+    sizes = [f.stat().st_size for f in files]
+    assert abs(sizes[0] - sizes[1]) <= max(len(gzip.compress(r[3])) for r in responses) + 2048
+
+    # Same inputs, same bytes; a rerun reuses the set, --force rebuilds it identically.
+    before = [sha256(f) for f in files]
+    reuse = run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
+                       "--html-dir", str(html_tree))
+    assert "reusing" in reuse.stderr
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
+               "--html-dir", str(html_tree), "--force")
+    assert [sha256(f) for f in sorted(out.glob("*.warc.gz"))] == before
+
+    # A size limit stops early: fewer records, at least the size asked for.
+    small = tmp_path / "small"
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(small), "--mb", "0.02", "--files", "2",
+               "--html-dir", str(html_tree))
+    small_meta = json.loads((small / "debian-warc.json").read_text())
+    assert 0 < small_meta["records"] < 21 and small_meta["total_bytes"] >= 20_000
+
+
+def _datatrove_ready() -> bool:
+    if importlib.util.find_spec("datatrove") is None or importlib.util.find_spec("spacy") is None:
+        return False
+    from importlib.metadata import version
+
+    return int(version("xxhash").split(".")[0]) < 4 if importlib.util.find_spec("xxhash") else False
+
+
+@pytest.mark.ray
+def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
+    """One --smoke invocation runs every section once: floor, ours, datatrove (or its SKIPPED line), driver RSS at
+    1x (the throughput run) and 2x, MinHash. Input: a debian_warc set built from local HTML, plus data/sample."""
+    warc = tmp_path / "warc"
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(warc), "--mb", "1", "--files", "2",
+               "--html-dir", str(html_tree))
+    results = tmp_path / "bench.json"
+    proc = run_script(str(BENCH / "pipeline_bench.py"), "--smoke", "--warc-dir", str(warc), "--with-sample",
+                      "--json", str(results), "--workdir", str(tmp_path / "work"))
+    out = proc.stdout
+    for heading in ("## Pipeline benchmark", "### Throughput", "### Ours per stage",
+                    "### Driver peak RSS, 1x vs 2x input", "### MinHash-LSH"):
+        assert heading in out, out
+    assert "| read-only floor, 2 procs |" in out and "| **ours** |" in out  # floor and ours rows
+    assert "parallel efficiency" in out and "ms/doc in" in out
+    if _datatrove_ready():
+        assert "| **datatrove** " in out and "ours / datatrove" in out, out
+    else:
+        assert "| datatrove | SKIPPED: " in out, out
+    assert "**Driver peak RSS 2x / 1x: " in out
+    assert "| verify | bands x rows | dedup s | + vs none |" in out and "By exact Jaccard band" in out
+
+    data = json.loads(results.read_text())
+    report = data["rounds"][0]["ours"]["report"]
+    assert report["input"]["files"] == 2 + 6  # the two WARC files + data/sample
+    assert data["rounds"][0]["floor"]["records"] == report["input"]["records"]
+    rss = data["rss"]
+    assert rss["1x"]["maxrss_kb"] > 0 and rss["kx"]["files"] == 2 * rss["1x"]["files"]
+    assert rss["kx"]["report"]["input"]["records"] == 2 * report["input"]["records"]
+    mh = data["minhash"]
+    assert mh["near_miss"] > 0 and mh["truth"] > 0
+    assert set(mh["results"]) == {"none", "signature", "jaccard"}
+    for result in mh["results"].values():
+        for key in ("precision", "recall", "cluster_precision", "cluster_recall"):
+            assert 0.0 <= result[key] <= 1.0, (key, result)
+        assert sum(result["drops_by_band"]) == result["dropped"]
+
+
+@pytest.mark.ray
+def test_serve_bench_smoke(tmp_path):
+    proc = run_script(str(BENCH / "serve_bench.py"), "--random-model", str(tmp_path / "model"), "--concurrency", "1",
+                      "--requests", "2", "--max-tokens", "4", "--output", str(tmp_path / "serve.json"))
+    assert "| serve | unbatched | 1 | 2 |" in proc.stdout and "batched/unbatched tokens/s" in proc.stdout
+    levels = json.loads((tmp_path / "serve.json").read_text())
+    assert {(r["mode"], r["batched"]) for r in levels} == {("engine", True), ("engine", False), ("serve", True),
+                                                           ("serve", False)}
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    # --smoke: 1 repeat of the demo model only (the medium model runs the same code, ~4x slower).
+    proc = run_script(str(BENCH / "checkpoint_bench.py"), "--smoke", "--out", str(tmp_path / "out"))
+    assert "### Checkpoint cost" in proc.stdout and "| demo (4×128) |" in proc.stdout
+    assert "demo (4×128): async stall / sync save = " in proc.stdout
+
+
+def test_train_bench_smoke(tmp_path):
+    # --smoke: 1 step, 1 round, and the memory table (DDP and FSDP on 2 gloo ranks) for the demo model only.
+    out = tmp_path / "out"
+    proc = run_script(str(BENCH / "train_bench.py"), "--smoke", "--out", str(out))
+    assert "### Train-loop throughput" in proc.stdout and "### Training state held per rank" in proc.stdout
+    assert "| demo (vocab 512) | " in proc.stdout and "GPT-2 small" not in proc.stdout
+    memory = json.loads((out / "train_bench.json").read_text())["memory"]
+    assert {(row["model"], row["strategy"]) for row in memory} == {("demo (vocab 512)", "ddp"),
+                                                                   ("demo (vocab 512)", "fsdp")}
+    assert all(len(row["per_rank"]) == 2 for row in memory)
+    assert (out / "train_bench.png").is_file()
+
+
+def test_language_prefix_bench_smoke():
+    proc = run_script(str(BENCH / "language_prefix.py"), "--input", str(REPO / "data" / "sample"), "--rounds", "1",
+                      "--prefixes", "1000")
+    assert "| prefix (chars) | time / whole text" in proc.stdout and "| 1,000 | " in proc.stdout
