@@ -32,7 +32,7 @@ from pipeline.schema import FILTERED_SCHEMA, to_table
 from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths, temp_name, write_json_atomic
 from pipeline.steps.base import Doc, is_dropped
-from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, shard_part
+from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch, shard_part
 from pipeline.steps.extract import check_stream_is_warc, read_records
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.quality import QualityFilter
@@ -161,27 +161,14 @@ def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
     alive = batch.filter(pc.is_null(batch["reason"]))
     if alive.num_rows == 0:
         return 0
-    keys = DedupKeys(config.dedup)
-    num_perm = config.dedup.minhash.num_perm
-    signatures = np.frombuffer(b"".join(alive["signature"].to_pylist()), dtype="<u4").reshape(-1, num_perm)
-    sketches = (
-        [np.asarray(s, dtype=np.uint64) for s in alive["shingles"].to_pylist()]
-        if config.dedup.minhash.verify == "jaccard" else [None] * alive.num_rows
-    )
-    rows = alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()
-    keyed = {
-        "doc_keys": [doc_key(r) for r in rows],
-        "exact_keys": alive["exact_key"].to_pylist() if config.dedup.exact.enabled else [],
-        "band_keys": keys.band_keys(signatures) if config.dedup.minhash.enabled else np.zeros((len(rows), 0)),
-        "signatures": signatures,
-        "sketches": sketches,
-    }
-    if not config.dedup.exact.enabled:
-        keyed["exact_keys"] = [None] * len(rows)
-    parts = [shard_part(keyed, i, len(shards)) for i in range(len(shards))]
-    if not config.dedup.exact.enabled:
-        for part in parts:
-            part["exact"] = []
+    dedup = config.dedup
+    signatures = np.frombuffer(b"".join(alive["signature"].to_pylist()), dtype="<u4").reshape(
+        -1, dedup.minhash.num_perm)
+    shingle_sets = ([np.asarray(s, dtype=np.uint64) for s in alive["shingles"].to_pylist()]
+                    if dedup.minhash.enabled and dedup.minhash.verify == "jaccard" else [])
+    doc_keys = [doc_key(r) for r in alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()]
+    batch = keyed_batch(dedup, doc_keys, alive["exact_key"].to_pylist(), signatures, shingle_sets)
+    parts = [shard_part(batch, i, len(shards)) for i in range(len(shards))]
     ray.get([shard.add.remote(**part) for shard, part in zip(shards, parts, strict=True)])
     return alive.num_rows
 

@@ -214,14 +214,8 @@ def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]
     shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
     alive = [d for d in docs if d.get("reason") is None]
     if alive:
-        exact, sigs, sketches = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
-        batch = {
-            "doc_keys": [doc_key(d) for d in alive],
-            "exact_keys": list(exact),
-            "band_keys": keys.band_keys(np.stack(sigs)),
-            "signatures": np.stack(sigs),
-            "sketches": list(sketches),
-        }
+        exact, sigs, shingle_sets = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
+        batch = keyed_batch(config, [doc_key(d) for d in alive], list(exact), np.stack(sigs), list(shingle_sets))
         for shard in shards:
             shard.add(**shard_part(batch, shard.shard_id, len(shards)))
     resolve_clusters(shards, InProcess())
@@ -229,19 +223,35 @@ def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]
     return MarkDuplicates(decisions)(docs)
 
 
+def keyed_batch(config: DedupConfig, doc_keys: list[str], exact_keys: list[bytes], signatures: np.ndarray,
+                shingle_sets: list[np.ndarray | None]) -> dict:
+    """What the index shards need of a batch of documents, given what the config enables: exact keys, LSH band
+    keys, and the sketch each candidate is verified with (shingle hashes, or the signature itself)."""
+    mh = config.minhash
+    sketches = None
+    if mh.enabled and mh.verify == "jaccard":
+        sketches = shingle_sets
+    elif mh.enabled and mh.verify == "signature":
+        sketches = list(signatures)
+    return {
+        "doc_keys": doc_keys,
+        "exact_keys": exact_keys if config.exact.enabled else None,
+        "band_keys": DedupKeys(config).band_keys(signatures) if mh.enabled else None,
+        "sketches": sketches,
+    }
+
+
 def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
-    """The part of a batch of keys one index shard receives: exact keys by hash, LSH bands by band index."""
+    """The part of a keyed batch one index shard receives: exact keys by hash, LSH bands by band index."""
     from pipeline.steps.dedup_index import owner_of
 
     doc_keys = batch["doc_keys"]
-    exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
-             if owner_of(e, num_shards) == shard_id]
+    exact = []
+    if batch["exact_keys"] is not None:
+        exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
+                 if owner_of(e, num_shards) == shard_id]
     band_keys = batch["band_keys"]
-    bands = [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id] if len(doc_keys) else []
-    return {
-        "exact": exact,
-        "doc_keys": doc_keys if bands else [],
-        "band_keys": band_keys[:, bands] if bands else None,
-        "signatures": batch["signatures"] if bands else None,
-        "sketches": batch["sketches"] if bands else None,
-    }
+    bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
+    if not bands:
+        return {"exact": exact, "doc_keys": [], "band_keys": None, "sketches": None}
+    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": batch["sketches"]}

@@ -70,7 +70,7 @@ class BucketIndex:
         self._buckets: dict[int, list[int]] = {}
         self._doc_index: dict[str, int] = {}  # doc key -> position in _docs / _sketches
         self._docs: list[str] = []
-        self._sketches: list[np.ndarray] = []
+        self._sketches: list[np.ndarray | None] = []  # what candidates are verified with (None: not verified)
         self._edges: dict[str, set[tuple[str, str]]] = {"exact": set(), "near": set()}
         self._owned: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes this shard owns
         self._view: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes in its edges
@@ -82,7 +82,7 @@ class BucketIndex:
     # ---- building the index ----
 
     def add(self, exact: list[tuple[str, bytes]], doc_keys: list[str], band_keys: np.ndarray | None,
-            signatures: np.ndarray | None, sketches: list[np.ndarray | None] | None) -> int:
+            sketches: list[np.ndarray] | None) -> int:
         """Insert one batch's keys for this shard; re-inserting the same document (a retried task) is harmless."""
         started = time.perf_counter()
         for key, ekey in exact:
@@ -92,13 +92,12 @@ class BucketIndex:
         self.stats["exact_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         if band_keys is not None and len(doc_keys):
-            verify = self.config.minhash.verify
             for i, key in enumerate(doc_keys):
                 pos = self._doc_index.get(key)
                 if pos is None:
                     pos = self._doc_index[key] = len(self._docs)
                     self._docs.append(key)
-                    self._sketches.append(sketches[i] if verify == "jaccard" else signatures[i])
+                    self._sketches.append(sketches[i] if sketches is not None else None)
                 for bucket in band_keys[i].tolist():
                     members = self._buckets.setdefault(bucket, [])
                     if not members or members[-1] != pos:
