@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from train.manifest import sha256_file
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / "bench" / ".cache" / "debs"
 SIDECAR = "debian-warc.json"
@@ -73,14 +75,6 @@ _HTML_NAME = re.compile(r"\.(html?|xhtml)(\.[a-z]{2}([-_][a-z]{2,4})?)?(\.gz)?$"
 
 def log(msg: str) -> None:
     print(f"[debian_warc] {msg}", file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,9 @@ from checkpoints.manifest import (
 )
 from checkpoints.rng import rng_key
 from checkpoints.store import Candidate, LocalStore, RayStore
+from train.dist import DistContext
+
+log = logging.getLogger(__name__)
 
 RNG_PREFIX = "rng."
 
@@ -72,19 +76,18 @@ class Checkpointer:
     def __init__(
         self,
         config: CheckpointConfig,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        ctx: DistContext,
         run_info: dict[str, Any],
         store: LocalStore | RayStore,
     ) -> None:
         self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.device = device
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.device = ctx.device
         self.run_info = run_info  # strategy, train config, data manifest sha256: copied into manifests
         self.store = store
-        self.distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.distributed = ctx.distributed
         self._pending: _Pending | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._async_group = None
@@ -94,7 +97,7 @@ class Checkpointer:
             # One stager for the whole run: it keeps its CPU staging buffers between saves, so after the first
             # save the stall is a copy into existing memory instead of allocating the whole state again.
             # Pinned memory and non-blocking device copies only exist with an accelerator.
-            on_gpu = torch.cuda.is_available() and device.type == "cuda"
+            on_gpu = torch.cuda.is_available() and ctx.device.type == "cuda"
             self._stager = DefaultStager(
                 StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
                                use_non_blocking_copy=on_gpu)
@@ -118,9 +121,8 @@ class Checkpointer:
             kinds.append("periodic")
         if c.interval_seconds > 0:
             late = torch.tensor([float(time.monotonic() - self._last_save_time >= c.interval_seconds)])
-            if self.distributed:
-                # Clocks differ between ranks: any rank that is due makes everyone save.
-                dist.all_reduce(late, op=dist.ReduceOp.MAX)
+            # Clocks differ between ranks: any rank that is due makes everyone save.
+            self.ctx.all_reduce(late, op=dist.ReduceOp.MAX)
             if late.item() and "periodic" not in kinds:
                 kinds.append("periodic")
         if c.save_best and improved:
@@ -209,13 +211,12 @@ class Checkpointer:
         assert pending is not None
         if not block:
             done = torch.tensor([float(pending.files.done())])
-            if self.distributed:
-                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            self.ctx.all_reduce(done, op=dist.ReduceOp.MIN)
             if not done.item():
                 return False
         mine = pending.files.result()  # re-raises a failed write
         files: dict[str, Any] = {}
-        for rank_files in _all_gather(mine, self.distributed, self.world_size):
+        for rank_files in self.ctx.all_gather_object(mine):
             files |= rank_files
         if self.rank == 0:
             write_manifest(pending.staging, pending.manifest | {"files": files})
@@ -240,8 +241,8 @@ class Checkpointer:
                     break
                 except CorruptCheckpoint as exc:
                     skipped.append(str(exc))
-                    print(f"[checkpoint] skipping {candidate.name}: {exc}", flush=True)
-        chosen, skipped = _all_gather((chosen, skipped), self.distributed, self.world_size)[0]
+                    log.warning("skipping checkpoint %s: %s", candidate.name, exc)
+        chosen, skipped = self.ctx.all_gather_object((chosen, skipped))[0]
         if chosen is None:
             return None
         index, manifest = chosen
@@ -275,14 +276,6 @@ def load_into(app: Stateful, directory: str | Path, rank: int = 0, distributed: 
 def _describe_after(upload: Any, staging: Path) -> dict[str, Any]:
     upload.result()
     return describe_files(staging)
-
-
-def _all_gather(obj: Any, distributed: bool, world_size: int) -> list[Any]:
-    if not distributed:
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def describe(directory: str | Path) -> dict[str, Any]:

@@ -9,10 +9,11 @@ written, a rank's shard never uploaded, the manifest missing) is never loaded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+from train.manifest import sha256_file  # one file-hash helper for the data contract and checkpoints
 
 MANIFEST_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -34,14 +35,6 @@ def checkpoint_dir_name(step: int, rollbacks: int = 0) -> str:
     # Zero-padded so names sort by step; a re-save of a step after a rollback gets its own name.
     suffix = f"_r{rollbacks}" if rollbacks else ""
     return f"{CHECKPOINT_PREFIX}{step:09d}{suffix}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def describe_files(directory: Path) -> dict[str, dict[str, Any]]:

@@ -10,14 +10,16 @@ split evenly over TP, and the GPU type must be in the table.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.gpus import GPUSpec, lookup_gpu
 from cluster.model_shape import gpt_param_count
+from train.config import Strategy
+from train.overrides import apply_overrides, read_yaml
 
 Precision = Literal["bf16", "fp16"]
 FsdpSharding = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
@@ -164,7 +166,7 @@ class BudgetSpec(_Strict):
 class TrainerSpec(_Strict):
     """Our own trainer (train/): fp32 AdamW, strategy single/ddp/fsdp over world_size ranks."""
 
-    strategy: Literal["single", "ddp", "fsdp"]
+    strategy: Strategy
     world_size: int = Field(1, gt=0)
 
     @model_validator(mode="after")
@@ -222,10 +224,9 @@ class JobSpec(_Strict):
         return self.training.seq_len if self.training.seq_len is not None else self.model.seq_len
 
 
-def load_job_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec YAML (raises pydantic.ValidationError or ValueError on bad input)."""
-    text = Path(path).read_text()
-    data = yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a job spec is a YAML mapping, got {type(data).__name__}")
+def load_job_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
+    """Read a job spec YAML, apply dotted overrides (``{"training.mfu": 0.5}``, as ``--set`` gives them)
+    and validate it (raises pydantic.ValidationError, or ConfigError (a ValueError) for an unreadable
+    file, bad YAML or a top level that is not a mapping)."""
+    data = apply_overrides(read_yaml(path), overrides or {})
     return JobSpec.model_validate(data)

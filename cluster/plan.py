@@ -13,7 +13,6 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +20,8 @@ from rich.table import Table
 from cluster.gpus import GPUS
 from cluster.job_spec import JobSpec, load_job_spec
 from cluster.planner import Plan, SizedModelPlan, build_plan
+from train.logsetup import setup_logging
+from train.overrides import ConfigError, parse_set, validation_problems
 
 EXAMPLE = """\
 example job spec (see cluster/jobs/plan_*.yaml):
@@ -77,31 +78,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, metavar="JOB.yaml", help="job spec YAML")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     parser.add_argument("--mfu", type=float, default=None, help="override training.mfu (0 < MFU <= 1)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any job spec key, e.g. --set cluster.gpus=16 --set parallelism.dp=16 (repeatable)",
+    )
     return parser
-
-
-def _problems(error: ValidationError) -> list[str]:
-    lines = []
-    for err in error.errors():
-        where = ".".join(str(part) for part in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {message}" if where else message)
-    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    setup_logging()
     if args.mfu is not None and not 0.0 < args.mfu <= 1.0:
         print(f"error: --mfu must be in (0, 1], got {args.mfu}", file=sys.stderr)
         return 2
     try:
-        spec = load_job_spec(args.config)
+        spec = load_job_spec(args.config, parse_set(args.set))
     except ValidationError as exc:
         print(f"error: invalid job spec {args.config}:", file=sys.stderr)
-        for line in _problems(exc):
+        for line in validation_problems(exc):
             print(f"  - {line}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable file, bad YAML, not a mapping
+    except ConfigError as exc:  # unreadable file, bad YAML, not a mapping, a malformed --set
         print(f"error: {exc}", file=sys.stderr)
         return 2
     plan = build_plan(spec, mfu=args.mfu)

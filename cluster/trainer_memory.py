@@ -20,11 +20,9 @@ Strategies:
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 from cluster.model_shape import gpt_param_shapes
-
-Strategy = Literal["single", "ddp", "fsdp"]
+from train.config import STRATEGIES, Strategy
 
 PARAM_BYTES = 4  # fp32 weights
 GRAD_BYTES = 4  # fp32 gradients
@@ -48,8 +46,6 @@ def predict_trainer_state_bytes(
     bias: bool,
     strategy: Strategy,
     world_size: int,
-    *,
-    layernorm_bias: bool = True,
 ) -> int:
     """Per-rank bytes of parameters + gradients + AdamW state for our trainer's GPT (max over ranks).
 
@@ -62,11 +58,11 @@ def predict_trainer_state_bytes(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if strategy == "single" and world_size != 1:
         raise ValueError(f"strategy 'single' runs one rank, got world_size={world_size}")
-    if strategy not in ("single", "ddp", "fsdp"):
-        raise ValueError(f"unknown strategy {strategy!r}; expected single, ddp or fsdp")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
-    shards = 1 if strategy in ("single", "ddp") else world_size
-    shapes = gpt_param_shapes(n_layer, n_embd, vocab_size, block_size, bias, layernorm_bias)
+    shards = world_size if strategy == "fsdp" else 1  # single and DDP hold full replicas
+    shapes = gpt_param_shapes(n_layer, n_embd, vocab_size, block_size, bias)
     per_rank_numel = sum(shard_numel(shape, shards) for shape in shapes)
     per_element = PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES
     return per_rank_numel * per_element + len(shapes) * ADAMW_STEP_BYTES

@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--output", required=True,
                      help="output directory (must not exist or be empty); on a cluster, a path every node sees")
     run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config value, e.g. --set dedup.minhash.verify=signature (repeatable)")
     run.add_argument("--overwrite", action="store_true",
                      help="replace a non-empty output directory when done, and discard an unfinished run's work")
     run.add_argument("--resume", action="store_true",
@@ -98,9 +100,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, console: Console) -> int:
     from pipeline.config import load_config
+    from pipeline.errors import PipelineInputError
     from pipeline.executor import PipelineRun
+    from train.overrides import ConfigError, parse_set
 
-    config = load_config(args.config)
+    try:
+        overrides = parse_set(args.set)
+    except ConfigError as err:
+        raise PipelineInputError(str(err)) from err
+    config = load_config(args.config, overrides)
     run = PipelineRun(args.input, args.output, config, overwrite=args.overwrite, console=console,
                       input_list=args.input_list, base_url=args.base_url, resume=args.resume)
     import ray

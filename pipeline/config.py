@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.errors import PipelineInputError
 from pipeline.sources import RetryConfig
@@ -45,15 +46,11 @@ class PipelineConfig(BaseModel):
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
 
-def load_config(path: str | Path | None) -> PipelineConfig:
-    if path is None:
-        return PipelineConfig()
-    path = Path(path)
+def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
+    """The YAML file (optional) with ``--set section.key=value`` overrides, validated; errors name the key."""
+    from train.overrides import ConfigError, load
+
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise PipelineInputError(f"{path}: cannot read config: {err}") from err
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise PipelineInputError(f"{path}: invalid pipeline config:\n{err}") from err
+        return load(PipelineConfig, path, overrides, source=str(path) if path is not None else "config")
+    except ConfigError as err:
+        raise PipelineInputError(f"invalid pipeline config: {err}") from err

@@ -29,13 +29,14 @@ from tokenizers import Tokenizer
 from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
-from pipeline.output import file_sha256, pack_shard, plan_shards, write_empty_rejected, write_json
+from pipeline.output import pack_shard, plan_shards, write_empty_rejected, write_json
 from pipeline.progress import PassProgress
 from pipeline.report import StageAccounting, print_summary, render_markdown, stage_rows
 from pipeline.sources import InputFile, list_inputs
 from pipeline.staging import RunStaging, write_json_atomic
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype
+from train.manifest import sha256_file
 
 log = logging.getLogger("pipeline")
 
@@ -226,7 +227,7 @@ class PipelineRun:
                    for s in filtered]
         input_bytes = sum(s["bytes"] for s in sources)
         manifest = {
-            "tokenizer": {"path": "tokenizer.json", "sha256": file_sha256(root / "tokenizer.json"),
+            "tokenizer": {"path": "tokenizer.json", "sha256": sha256_file(root / "tokenizer.json"),
                           "vocab_size": vocab_size, "eot_id": tokenizer.token_to_id(EOT)},
             "dtype": dtype.name,
             "shards": shards,

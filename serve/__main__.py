@@ -12,15 +12,18 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
-DEFAULT_AUTOSCALING = {
-    "min_replicas": 1,
-    "max_replicas": 2,
-    # About one full batch per replica: beyond that, requests only queue inside the engine.
-    "target_ongoing_requests": 8,
-    "upscale_delay_s": 10,
-    "downscale_delay_s": 120,
-}
+from serve.config import (
+    DEFAULT_AUTOSCALING,
+    DEFAULT_CANARY_INTERVAL_S,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    DEFAULT_SD_DIR,
+    AppArgs,
+)
+from train.logsetup import setup_logging
+from train.overrides import ConfigError, apply_overrides, build, parse_set
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,17 +33,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: local)")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences per decode step per replica")
-    parser.add_argument("--max-ongoing-requests", type=int, default=32, help="Serve's per-replica concurrency cap")
+    # Defaults come from serve/config.py (also what build_app and serve_config.yaml fall back to).
+    batch, ongoing = DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_ONGOING_REQUESTS
+    parser.add_argument("--max-batch-size", type=int, default=batch, help="KV slots per replica (%(default)s)")
+    parser.add_argument("--max-ongoing-requests", type=int, default=ongoing, help="requests per replica (%(default)s)")
     parser.add_argument("--num-replicas", type=int, help="fixed replica count (default: autoscale 1..2)")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica")
     parser.add_argument(
         "--metrics-sd-dir",
-        default=os.environ.get("RAYLM_PROM_SD_DIR", "/tmp/raylm/prom_sd"),
-        help="where replicas write Prometheus file_sd targets",
+        default=str(DEFAULT_SD_DIR),
+        help="where replicas write Prometheus file_sd targets (default: $RAYLM_PROM_SD_DIR or %(default)s)",
     )
     parser.add_argument("--canary-evalset", help="JSONL eval set: also deploy the scheduled canary")
-    parser.add_argument("--canary-interval", type=float, default=300.0, help="seconds between canary runs")
+    interval = DEFAULT_CANARY_INTERVAL_S
+    parser.add_argument("--canary-interval", type=float, default=interval, help="seconds between runs (%(default)s)")
     parser.add_argument("--canary-min-score", type=float, help="alert threshold exported with the canary score")
     parser.add_argument(
         "--smoke",
@@ -49,11 +55,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "locations; then keep serving when attached to a terminal, or shut down when not (scripts, CI)",
     )
     parser.add_argument("--smoke-prompt", default="The history of the", help="prompt for the --smoke completion")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any build_app argument (serve/config.py: AppArgs), applied after the flags, e.g. "
+        "--set autoscaling_config.max_replicas=4 (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
-def app_args(args: argparse.Namespace) -> dict:
-    out = {
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags and ``--set`` overrides as ``build_app`` arguments, validated (``ConfigError`` if not)."""
+    out: dict[str, Any] = {
         "model": args.model,
         "model_name": args.name,
         "max_batch_size": args.max_batch_size,
@@ -65,7 +80,7 @@ def app_args(args: argparse.Namespace) -> dict:
     if args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
     else:
-        out["autoscaling_config"] = DEFAULT_AUTOSCALING
+        out["autoscaling_config"] = dict(DEFAULT_AUTOSCALING)
     if args.canary_evalset:
         out.update(
             canary_evalset=os.path.abspath(args.canary_evalset),
@@ -73,11 +88,19 @@ def app_args(args: argparse.Namespace) -> dict:
             canary_endpoint=f"http://127.0.0.1:{args.port}",
             canary_min_score=args.canary_min_score,
         )
+    apply_overrides(out, parse_set(args.set))
+    build(AppArgs, out, "serve arguments")  # fail here, naming the key, rather than in build_app on Ray
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
+    try:
+        built = app_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import ray
     from ray import serve
 
@@ -91,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ray.init(address=args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(app_args(args)), name="raylm", route_prefix="/")
+    serve.run(build_app(built), name="raylm", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(
         json.dumps(

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_ONGOING_REQUESTS, DEFAULT_SD_DIR, AppArgs
 from serve.engine import Engine, Event, SamplingParams
-from serve.metrics import DEFAULT_SD_DIR, ServeMetrics
+from serve.metrics import ServeMetrics
 from serve.model_dir import load_model_dir
 from serve.protocol import (
     APIError,
@@ -74,7 +74,7 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 @serve.deployment(
     # Concurrency the replica accepts; the engine runs up to max_batch_size of them and queues the rest
     # (that queue is what raylm_server_queue_time_seconds measures). Overridden by serve_config.yaml.
-    max_ongoing_requests=32,
+    max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
     ray_actor_options={"num_cpus": 1},
     health_check_period_s=5,
 )
@@ -84,7 +84,7 @@ class CompletionServer:
         self,
         model_dir: str,
         model_name: str | None = None,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 0,
         metrics_sd_dir: str | None = str(DEFAULT_SD_DIR),
@@ -314,35 +314,14 @@ class CompletionServer:
 
     def check_health(self) -> None:
         """Serve's replica health check: a replica whose engine loop crashed is restarted."""
-        task = self.engine._task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-            raise RuntimeError(f"engine loop died: {task.exception()!r}")
+        error = self.engine.loop_error
+        if error is not None:
+            raise RuntimeError(f"engine loop died: {error!r}")
 
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica.
         self.metrics.close()
         await self.engine.shutdown()
-
-
-class AppArgs(BaseModel):
-    """Arguments of ``build_app`` (the ``args:`` of an application in a Serve config YAML)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    model_name: str | None = None
-    max_batch_size: int = 8
-    max_ongoing_requests: int | None = None
-    num_replicas: int | None = None  # fixed replica count; otherwise the autoscaling config applies
-    autoscaling_config: dict[str, Any] | None = None
-    replica_cpus: float = 1.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0
-    metrics_sd_dir: str | None = str(DEFAULT_SD_DIR)
-    canary_evalset: str | None = None
-    canary_interval: float = 300.0
-    canary_endpoint: str | None = None  # default: http://127.0.0.1:8000
-    canary_min_score: float | None = None
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -42,8 +42,9 @@ import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from ray import serve
 
+from serve.config import DEFAULT_CANARY_INTERVAL_S, DEFAULT_SD_DIR
 from serve.evalset import EvalSet, EvalSetError, build_evalset, load_evalset
-from serve.metrics import DEFAULT_SD_DIR, advertised_host, write_sd_target
+from serve.metrics import advertised_host, write_sd_target
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--evalset", required=True, help="JSONL eval set (python -m serve.canary build)")
     when = parser.add_mutually_exclusive_group()
-    when.add_argument("--interval", type=float, default=300.0, help="seconds between runs (default: 300)")
+    interval = DEFAULT_CANARY_INTERVAL_S
+    when.add_argument("--interval", type=float, default=interval, help="seconds between runs (default: %(default)s)")
     when.add_argument("--once", action="store_true", help="run once, print the result as JSON, exit 0/1")
     parser.add_argument("--min-score", type=float, help="export raylm_canary_min_score (the alert threshold)")
     parser.add_argument("--metrics-host", default="127.0.0.1")

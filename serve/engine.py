@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from serve.config import DEFAULT_MAX_BATCH_SIZE
 from serve.decoding import KVCache, decode, prefill, sample, token_logprobs
 from serve.detok import TextStream
 from serve.model_dir import LoadedModel
@@ -84,7 +85,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_batch_size: int = 8) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.model.wte.weight.device
@@ -107,6 +108,15 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def loop_error(self) -> BaseException | None:
+        """The exception that ended the decode loop, if it died (a failing step fails only its requests,
+        so this means a bug in the loop itself); None while it runs, before it starts, or after shutdown."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt token ids, after the end-of-text token that starts every document in training data."""

@@ -42,9 +42,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
 
-log = logging.getLogger(__name__)
+from serve.config import DEFAULT_SD_DIR
 
-DEFAULT_SD_DIR = Path(os.environ.get("RAYLM_PROM_SD_DIR", "/tmp/raylm/prom_sd"))
+log = logging.getLogger(__name__)
 
 # Bucket boundaries: the GenAI semantic conventions' advisory values for TTFT (0.001 .. 10 s) and TPOT
 # (0.01 .. 2.5 s), https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics. TPOT gets three

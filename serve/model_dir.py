@@ -16,10 +16,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from pipeline.steps.tokenize import EOT
 from train.export import load_exported
 from train.model import GPT
 
-EOT = "<|endoftext|>"
 REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "lineage.json")
 
 

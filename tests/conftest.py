@@ -1,3 +1,4 @@
+import socket
 import sys
 from pathlib import Path
 
@@ -8,6 +9,18 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 SAMPLE = REPO / "data" / "sample"
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other test helpers
+
+# Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
+# without importing them by name into each one.
+pytest_plugins = ["train_fixtures", "serve_fixtures"]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the OS picks it; a race with other processes is possible
+    but harmless here, where each test binds it within moments)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -14,18 +14,16 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from ccnet import load_ccnet_texts
+from conftest import free_port
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from pipeline.steps.tokenize import EOT, TokenizeConfig
-from pipeline.steps.tokenize import train_tokenizer as train_pipeline_tokenizer
 from train.model import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}
@@ -42,7 +40,11 @@ def split_documents() -> tuple[list[str], list[str]]:
 
 
 def train_tokenizer(docs: list[str], vocab_size: int = 512) -> Tokenizer:
-    # The pipeline's own BPE trainer, so served test models tokenize like real ones.
+    # The pipeline's own BPE trainer, so served test models tokenize like real ones. Imported here, not at
+    # the top: conftest loads this module for every session, and tests of other stages must not need it.
+    from pipeline.steps.tokenize import TokenizeConfig
+    from pipeline.steps.tokenize import train_tokenizer as train_pipeline_tokenizer
+
     return train_pipeline_tokenizer(docs, TokenizeConfig(vocab_size=vocab_size, min_frequency=1))
 
 
@@ -54,6 +56,8 @@ def train_model(tokenizer: Tokenizer, docs: list[str], steps: int = 150, batch: 
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    from pipeline.steps.tokenize import EOT
+
     torch.manual_seed(seed)
     eot = tokenizer.token_to_id(EOT)
     ids: list[int] = []
@@ -127,12 +131,6 @@ def worse_export(src: Path, out: Path, seed: int = 1) -> Path:
     lineage["note"] = f"weights shuffled (seed {seed}) from {src}"
     (out / "lineage.json").write_text(json.dumps(lineage, indent=2))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

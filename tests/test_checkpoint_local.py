@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, list_checkpoints, verify
 from train.config import TrainConfig, load_config
@@ -43,7 +43,7 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:  # noqa: F811
+def reference(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     out = tmp_path_factory.mktemp("reference")
     # Module fixtures run before the function-scoped one_thread: a different thread count changes how
     # CPU reductions are split, hence the last bits of the weights.
@@ -53,7 +53,7 @@ def reference(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     return out, weights(trainer)
 
 
-def test_resume_reproduces_the_uninterrupted_run_bitwise(token_dir: Path, tmp_path: Path, reference) -> None:  # noqa: F811
+def test_resume_reproduces_the_uninterrupted_run_bitwise(token_dir: Path, tmp_path: Path, reference) -> None:
     ref_dir, ref_weights = reference
     first = Trainer(make_config(token_dir, tmp_path), CPU)
     for _ in range(STEPS // 2):
@@ -84,7 +84,7 @@ def test_manifest_records_what_the_checkpoint_holds(reference) -> None:
 
 
 def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
-    token_dir: Path,  # noqa: F811
+    token_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -142,7 +142,7 @@ def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path:
     assert helped.returncode == 0 and "verify" in helped.stdout and "inspect" in helped.stdout
 
 
-def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2, "checkpoint.rollback_after_bad": 1})
     trainer = Trainer(config, CPU)
     poisoned_data_step = 5

@@ -3,8 +3,9 @@ with --resume, resharding to another world size, retention, async saves.
 
 Runs (8 steps, tiny model, fp32, dropout 0), each started once for the whole module:
 - ``fsdp_ref``: FSDP-2 uninterrupted, async saves every 2 steps, num_to_keep 2.
-- ``fsdp_killed``: the same with sync saves; rank 1 SIGKILLs itself after step 4 (first attempt only),
-  ``max_failures=1``: Ray restarts both workers, which resume from the last registered checkpoint.
+- ``fsdp_killed``: the same with sync saves; rank 1 SIGKILLs itself after step 4 (first attempt only, a
+  ``KillOnce`` step callback), ``max_failures=1``: Ray restarts both workers, which resume from the last
+  registered checkpoint.
 - ``ddp_ref`` / ``ddp_resumed``: DDP-2; the second run's rank 0 dies after step 5 with
   ``max_failures=0`` (the run fails), then ``--resume`` (a new fit on the run dir) finishes it.
 - ``fsdp1``: a copy of ``fsdp_ref``'s run dir resumed by a single FSDP worker: its final checkpoint
@@ -25,7 +26,8 @@ import ray
 import torch
 from ray.train import WorkerGroupError
 from safetensors.torch import load_file
-from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+from step_callbacks import KillOnce, fault_marker
+from train_fixtures import tiny_overrides
 
 from checkpoints.checkpointer import load_into
 from checkpoints.manifest import list_checkpoints, verify
@@ -63,21 +65,23 @@ def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: obje
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt_runs")
     out = {name: root / name for name in ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1")}
     keep2 = {"checkpoint.num_to_keep": 2}
     launch(config_for(token_dir, out["fsdp_ref"], "fsdp", 2, **keep2, **{"checkpoint.async_save": True}))
-    kill = {"checkpoint.test_kill_at_step": 4, "checkpoint.test_kill_rank": 1, "checkpoint.max_failures": 1}
-    launch(config_for(token_dir, out["fsdp_killed"], "fsdp", 2, **keep2, **kill))
+    killed = config_for(token_dir, out["fsdp_killed"], "fsdp", 2, **keep2, **{"checkpoint.max_failures": 1})
+    launch(killed, on_step_end=KillOnce(step=4, rank=1))
 
-    launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **{"checkpoint.interval_steps": 4}))
-    crash = {"checkpoint.interval_steps": 4, "checkpoint.test_kill_at_step": 5, "checkpoint.test_kill_rank": 0}
+    every4 = {"checkpoint.interval_steps": 4}
+    launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **every4))
+    crash = KillOnce(step=5, rank=0)
     with pytest.raises(WorkerGroupError):  # max_failures=0: the run fails
-        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash))
+        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
     with pytest.raises(PreflightError, match="--resume"):  # a fresh run must not silently continue it
-        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash))
-    launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **crash, **{"checkpoint.resume": True}))
+        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
+    resume = {"checkpoint.resume": True}
+    launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4, **resume), on_step_end=crash)
 
     shutil.copytree(out["fsdp_ref"], out["fsdp1"])
     launch(config_for(token_dir, out["fsdp1"], "fsdp", 1, **{"checkpoint.resume": True}))
@@ -105,7 +109,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 def test_killed_worker_is_restarted_and_resumes_exactly(runs: dict[str, Path]) -> None:
     killed = runs["fsdp_killed"]
-    assert (killed / ".fault_injected_step4").is_file()  # the kill really happened
+    assert fault_marker(killed, 4).is_file()  # the kill really happened
     resumed = final_info(killed)["resumed_from"]
     # The restart resumes from the latest checkpoint Ray's controller registered before the kill: the
     # step-4 one, or the step-2 one when the kill (one step later) beat the controller's next poll.
@@ -126,7 +130,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(runs: dict[str, P
     assert_same_weights(resumed, runs["ddp_ref"])
 
 
-def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Path], token_dir: Path) -> None:  # noqa: F811
+def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Path], token_dir: Path) -> None:
     ref, one = runs["fsdp_ref"], runs["fsdp1"]
     resumed = final_info(one)["resumed_from"]
     assert [(r["checkpoint"], r["saved_world_size"], r["world_size"]) for r in resumed] == [

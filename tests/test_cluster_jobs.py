@@ -4,7 +4,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, free_port
 
 from cluster.trainer_memory import predict_trainer_state_bytes
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RUNTIME_ENV = REPO / "cluster" / "jobs" / "runtime_env.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +87,12 @@ def test_pipeline_and_training_jobs_run_on_a_started_cluster(head, tmp_path):
     assert sorted({m["step"] for m in steps}) == [0, 1, 2, 3] and steps[-1]["world_size"] == 2
     assert all(np.isfinite(m["loss"]) for m in steps)
 
-    # The capacity planner's per-rank prediction for this very run, against what each rank measured.
+    # The capacity planner's per-rank prediction for this very run, against what each rank measured: the
+    # largest rank's bytes exactly (both count the same tensors of the same model), the other within padding.
     model = yaml.safe_load((run / "config.yaml").read_text())["model"]
     predicted = predict_trainer_state_bytes(
         model["n_layer"], model["n_head"], model["n_embd"], model["block_size"],
         manifest["tokenizer"]["vocab_size"], model["bias"], "fsdp", 2,
     )
-    for measured in steps[-1]["state_bytes"]:
-        assert abs(predicted - measured) <= 0.2 * measured
+    measured = steps[-1]["state_bytes"]
+    assert max(measured) == predicted and min(measured) >= 0.95 * predicted, (predicted, measured)

@@ -378,6 +378,18 @@ def test_cli_missing_file_and_help() -> None:
     assert "--config" in result.stdout and "--json" in result.stdout and "A10G" in result.stdout
 
 
+def test_cli_set_overrides_the_spec_like_every_other_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = str(JOBS / "plan_gpt2_small_8xa10g.yaml")
+    assert main(["--config", spec, "--json", "--set", "training.mfu=0.5", "--set", "training.tokens=2e9"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["compute"]["mfu"] == 0.5
+    assert plan["compute"]["training_flops"] == pytest.approx(6 * 124_439_808 * 2e9, rel=0.05)
+    assert main(["--config", spec, "--set", "training.mfuu=0.5"]) == 2
+    assert "training.mfuu: unknown key" in capsys.readouterr().err
+    assert main(["--config", spec, "--set", "training.mfu"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
 def test_unreliable_cluster_is_reported_not_divided_by_zero(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # 0.01 h per GPU over 64 GPUs is a job MTBF of 0.56 s, far shorter than one 120 s checkpoint write.
     spec = _spec(reliability__mtbf_hours=0.01)

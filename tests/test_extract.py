@@ -1,5 +1,6 @@
 """extract: real Common Crawl WET/WARC files, including the damaged ones, and files built to be bad."""
 
+import io
 from collections import Counter
 from pathlib import Path
 
@@ -120,3 +121,50 @@ def test_warc_html_responses_become_text():
     assert all(d["warc_type"] == "response" and d["text"].strip() for d in kept)
     assert not any("<html" in d["text"].lower() for d in kept)
     assert reasons(docs)["record_type:request"] == 22
+
+
+def _write_responses(path, responses):
+    """WARC ``response`` records: (name, HTTP status line, content type, body bytes)."""
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    with open(path, "wb") as fh:
+        writer = WARCWriter(fh, gzip=True)
+        for name, status, content_type, body in responses:
+            http = StatusAndHeaders(status, [("Content-Type", content_type)], protocol="HTTP/1.1")
+            record = writer.create_warc_record(f"https://example.org/{name}", "response", payload=io.BytesIO(body),
+                                               http_headers=http)
+            writer.write_record(record)
+
+
+def test_http_status_and_non_html_responses_are_named_drops(tmp_path):
+    page = b"<html><body><p>" + b"A real paragraph of text about the town library. " * 10 + b"</p></body></html>"
+    path = tmp_path / "crawl.warc.gz"
+    _write_responses(path, [
+        ("ok", "200 OK", "text/html; charset=utf-8", page),
+        ("missing", "404 Not Found", "text/html", b"<html><body>gone</body></html>"),
+        ("logo", "200 OK", "image/png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 64),
+    ])
+    rows = list(read_wet(path))
+    assert [r.get("reason") for r in rows] == [None, "http_status:404", "not_html:image/png"]
+    assert "town library" in rows[0]["text"]
+
+
+def test_a_record_whose_block_no_longer_matches_its_digest_is_dropped(tmp_path):
+    path = tmp_path / "crawl.warc"
+    body = b"<html><body><p>" + b"The committee met on Tuesday to discuss the budget. " * 8 + b"</p></body></html>"
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    with open(path, "wb") as fh:  # uncompressed, so one byte of the payload can be flipped in place
+        http = StatusAndHeaders("200 OK", [("Content-Type", "text/html")], protocol="HTTP/1.1")
+        writer = WARCWriter(fh, gzip=False)
+        writer.write_record(writer.create_warc_record("https://example.org/a", "response",
+                                                      payload=io.BytesIO(body), http_headers=http))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"committee")
+    data[at] = ord("C")  # bit rot inside the block: same length, different bytes
+    path.write_bytes(bytes(data))
+    rows = list(read_wet(path))
+    assert [r.get("reason") for r in rows] == ["digest_mismatch"]
+    assert [r.get("reason") for r in read_wet(path, ExtractConfig(check_digests=False))] == [None]

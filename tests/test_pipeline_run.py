@@ -203,6 +203,16 @@ def test_cli_help_and_bad_config(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
                              str(tmp_path / "o"), "--config", str(bad)], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2 and "min_scor" in result.stderr and "invalid pipeline config" in result.stderr
+    override = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
+                               str(tmp_path / "o"), "--set", "dedup.minhash.verfy=none"],
+                              capture_output=True, text=True, cwd=REPO)
+    assert override.returncode == 2 and "dedup.minhash.verfy: unknown key" in override.stderr
+
+
+def test_set_overrides_reach_the_run_config():
+    config = load_config(DEMO_CONFIG, {"dedup.minhash.verify": "signature", "tokenize.vocab_size": "512"})
+    assert config.dedup.minhash.verify == "signature" and config.tokenize.vocab_size == 512
+    assert config.language.min_score == 0.65  # the file's values stay
 
 
 def test_output_under_a_file_is_a_clear_error(tmp_path):

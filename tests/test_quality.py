@@ -18,13 +18,17 @@ from pipeline.steps.base import drop_reasons
 from pipeline.steps.quality import (
     QUALITY_REASONS,
     QUALITY_SIGNALS,
+    RULE_FAMILIES,
     C4Config,
     FineWebConfig,
     GopherConfig,
     QualityConfig,
     QualityFilter,
+    Rule,
+    failed_rules,
     first_failed_rule,
     quality_signals,
+    rules_markdown,
 )
 
 # Real cc_net "head" (high-quality bucket) English docs, next to the checkout like conftest.SHARED_DATA.
@@ -469,3 +473,134 @@ def test_real_commoncrawl_head_docs() -> None:
     kept = [d for d in docs if d.get("reason") is None]
     assert kept
     assert sum(drop_reasons(docs, "quality").values()) + len(kept) == len(docs)
+
+
+# --- the rule tables --------------------------------------------------------------------------------------
+
+RULES = [rule for family in RULE_FAMILIES for rule in family.rules]
+
+# The parquet signal columns (pipeline/schema.py), written out so that a reordered table row shows up here.
+SIGNAL_COLUMNS = (
+    "word_count",
+    "mean_word_length",
+    "symbol_word_ratio",
+    "bullet_line_ratio",
+    "ellipsis_line_ratio",
+    "alpha_word_ratio",
+    "stop_word_count",
+    "dup_line_frac",
+    "dup_para_frac",
+    "dup_line_char_frac",
+    "dup_para_char_frac",
+    "top_2gram_char_frac",
+    "top_3gram_char_frac",
+    "top_4gram_char_frac",
+    "dup_5gram_char_frac",
+    "dup_6gram_char_frac",
+    "dup_7gram_char_frac",
+    "dup_8gram_char_frac",
+    "dup_9gram_char_frac",
+    "dup_10gram_char_frac",
+    "c4_has_lorem_ipsum",
+    "c4_has_curly_bracket",
+    "c4_removed_line_ratio",
+    "c4_sentence_count",
+    "fineweb_line_punct_ratio",
+    "fineweb_short_line_ratio",
+    "fineweb_dup_line_char_ratio",
+    "fineweb_newline_word_ratio",
+)
+
+# An early reader: real words, but short ones (mean 2.6 characters), so only the lower length bound fires.
+EARLY_READER = """I am Sam. I am six. My dog is Rex.
+He is big and he is red. We go to the sea.
+The sun is up. It is hot. We run in the sand.
+Rex can dig a big pit. I sit in it. Mom has a cap on.
+Dad and I go to get a bun. It is good.
+We see a boy on a red bus. He has a kite.
+At six we go back to the van. I am so glad."""
+
+
+def _only_failing(rule: Rule) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+    """A document that fails ``rule`` and no other rule, with the config overrides it is judged under."""
+    if rule.config_field == "min_mean_word_length":
+        return EARLY_READER, []
+    base = next(b for r, _, b in CASES if r == rule.reason)
+    if rule.reason == "c4:empty_after_line_filter":
+        # A document the line filter empties has no sentences left either.
+        return _build(rule.reason), [base, {"c4": {"min_sentences": None}}]
+    return _build(rule.reason), [base]
+
+
+def test_signal_columns_are_derived_in_schema_order() -> None:
+    assert QUALITY_SIGNALS == SIGNAL_COLUMNS
+    assert set(quality_signals(CLEAN, QualityConfig())) == set(QUALITY_SIGNALS)
+
+
+def test_rule_tables_are_well_formed() -> None:
+    config = QualityConfig()
+    for family in RULE_FAMILIES:
+        assert type(getattr(config, family.section)) is family.config
+        fields = family.config.model_fields
+        for rule in family.rules:
+            assert rule.reason.startswith(f"{family.section}:"), rule
+            assert rule.config_field in fields, rule
+            assert rule.source, rule
+            default = fields[rule.config_field].default
+            if rule.comparison in ("flag", "all_removed"):
+                assert default is True, rule
+            else:
+                assert rule.comparison in ("min", "max"), rule
+                assert rule.config_field.startswith(rule.comparison + "_"), rule
+                assert isinstance(default, int | float) and not isinstance(default, bool), rule
+                family.config.model_validate({rule.config_field: None})  # None switches it off
+    assert len({r.config_field for r in RULES}) == len(RULES)  # one threshold, one rule
+    # Every document-level threshold in the configs is some rule's (min_words_per_line is a line rule).
+    thresholds = {
+        f"{family.section}.{name}"
+        for family in RULE_FAMILIES
+        for name in family.config.model_fields
+        if name.startswith(("min_", "max_")) and name != "min_words_per_line"
+    }
+    assert thresholds == {
+        f"{f.section}.{r.config_field}" for f in RULE_FAMILIES for r in f.rules if r.comparison in ("min", "max")
+    }
+
+
+def test_rules_markdown_lists_every_rule() -> None:
+    markdown = rules_markdown()
+    assert all(f"| `{reason}` |" in markdown for reason in QUALITY_REASONS)
+    lines = markdown.splitlines()
+    assert lines[0] == "| reason | signal | fires when | default threshold | source |"
+    rows = lines[2:]
+    assert len(rows) == len(RULES)
+    for family in RULE_FAMILIES:
+        for rule in family.rules:
+            row = rows[RULES.index(rule)]
+            cells = [c.strip() for c in row.strip("|").split(" | ")]
+            assert len(cells) == 5, row
+            assert cells[:2] == [f"`{rule.reason}`", f"`{rule.signal}`"]
+            assert f"`{family.section}.{rule.config_field}`" in cells[2]
+            default = family.config.model_fields[rule.config_field].default
+            assert cells[3] == ("true" if default is True else str(default))
+            assert cells[4] == rule.source
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.config_field for r in RULES])
+def test_switching_a_threshold_off_switches_off_that_rule_only(rule: Rule) -> None:
+    text, base = _only_failing(rule)
+    config = _cfg(*base)
+    assert list(failed_rules(quality_signals(text, config), config)) == [rule]
+    assert _run(text, config)["reason"] == rule.reason
+    # None switches a threshold off; the three C4 on/off rules are switched off with False.
+    off = False if rule.comparison in ("flag", "all_removed") else None
+    section = next(f.section for f in RULE_FAMILIES if rule in f.rules)
+    assert _run(text, _cfg(*base, {section: {rule.config_field: off}})).get("reason") is None
+
+
+def test_pipeline_readme_lists_the_rules_as_the_tables_say():
+    from conftest import REPO
+
+    from pipeline.steps.quality import rules_markdown
+
+    assert rules_markdown().strip() in (REPO / "pipeline" / "README.md").read_text()

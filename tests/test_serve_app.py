@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 import torch
-from serve_fixtures import long_context_export, running_app, sse_events  # noqa: F401
+from serve_fixtures import running_app, sse_events
 
 from serve.model_dir import load_model_dir
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def base_url(long_context_export, tmp_path_factory) -> str:  # noqa: F811
+def base_url(long_context_export, tmp_path_factory) -> str:
     args = {
         "model": str(long_context_export),
         "num_replicas": 1,
@@ -35,7 +35,7 @@ def base_url(long_context_export, tmp_path_factory) -> str:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def loaded(long_context_export):  # noqa: F811
+def loaded(long_context_export):
     return load_model_dir(long_context_export)
 
 

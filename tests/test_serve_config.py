@@ -1,5 +1,6 @@
 """The deployment config and CLI, without starting Ray: serve_config.yaml must be valid for Ray Serve 2.60's
-own schema, and its args (and the CLI's) must be what serve.app.build_app accepts."""
+own schema, its args (and the CLI's) must be what serve.app.build_app accepts, and the values it states
+must be serve.config's defaults (declared there once)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from serve import config as serve_defaults
 from serve.__main__ import app_args, parse_args
-from serve.app import AppArgs
+from serve.config import AppArgs
+from train.overrides import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,8 +27,11 @@ def test_serve_config_validates_against_ray_serve_schema() -> None:
     AppArgs.model_validate(app.args)
     (deployment,) = app.deployments
     assert deployment.name == "CompletionServer"
-    assert deployment.max_ongoing_requests == 32
-    assert deployment.autoscaling_config["target_ongoing_requests"] == 8
+    # Defaults are serve/config.py's, not restated here: the YAML leaves them out (the deployment
+    # decorator's and AppArgs' values apply) except the autoscaling block, which must be the same.
+    assert "max_ongoing_requests" not in deployment.model_fields_set
+    assert not {"max_batch_size", "metrics_sd_dir", "canary_interval"} & set(app.args)
+    assert deployment.autoscaling_config == serve_defaults.DEFAULT_AUTOSCALING
 
 
 def test_cli_args_become_valid_app_args(tmp_path: Path) -> None:
@@ -34,6 +41,23 @@ def test_cli_args_become_valid_app_args(tmp_path: Path) -> None:
     assert built.autoscaling_config is not None and built.num_replicas is None
     fixed = AppArgs.model_validate(app_args(parse_args(["--model", "m", "--num-replicas", "2"])))
     assert fixed.num_replicas == 2 and fixed.autoscaling_config is None
+    defaults = AppArgs.model_validate(app_args(parse_args(["--model", "m"])))
+    assert defaults.max_batch_size == serve_defaults.DEFAULT_MAX_BATCH_SIZE
+    assert defaults.max_ongoing_requests == serve_defaults.DEFAULT_MAX_ONGOING_REQUESTS
+    assert defaults.metrics_sd_dir == str(serve_defaults.DEFAULT_SD_DIR)
+
+
+def test_cli_set_overrides_any_app_arg_and_is_validated() -> None:
+    args = parse_args(["--model", "m", "--set", "autoscaling_config.max_replicas=4", "--set", "max_batch_size=16"])
+    built = AppArgs.model_validate(app_args(args))
+    assert built.autoscaling_config["max_replicas"] == 4 and built.autoscaling_config["min_replicas"] == 1
+    assert built.max_batch_size == 16
+    with pytest.raises(ConfigError, match="max_batch_sise: unknown key"):
+        app_args(parse_args(["--model", "m", "--set", "max_batch_sise=16"]))
+    with pytest.raises(ConfigError, match=r"max_batch_size: .*integer.*'many'"):
+        app_args(parse_args(["--model", "m", "--set", "max_batch_size=many"]))
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        app_args(parse_args(["--model", "m", "--set", "max_batch_size"]))
 
 
 def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from serve_fixtures import tiny_export, worse_export_dir  # noqa: F401  (session fixtures)
 
 from serve.decoding import KVCache, decode, prefill, sample, token_logprobs
 from serve.detok import TextStream
@@ -26,7 +25,7 @@ def random_gpt() -> GPT:
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_export):  # noqa: F811
+def loaded(tiny_export):
     return load_model_dir(tiny_export)
 
 
@@ -169,18 +168,28 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(loaded) -> None:
     assert crowd[0] == alone and crowd[2] == alone
 
 
+async def wait_until(condition, timeout: float = 30.0) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.001)
+
+
 def test_cancelled_request_frees_its_slot_and_waiting_requests_proceed(loaded) -> None:
     async def run() -> dict:
         engine = Engine(loaded, max_batch_size=1)
-        long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-        gen = engine.generate(engine.encode_prompt("Hello"), long, time.monotonic())
+        prompt = engine.encode_prompt("Hello")
+        # As many tokens as the context allows: the slot stays taken until the request is closed.
+        long = SamplingParams(max_tokens=loaded.block_size - (len(prompt) - 1), temperature=0.0, ignore_eos=True)
+        gen = engine.generate(prompt, long, time.monotonic())
         first = await gen.__anext__()
         assert first.completion_tokens == 1
         assert engine.snapshot()["free_slots"] == 0
         # A second request waits for the only slot; closing the first (what a disconnect does) frees it.
         waiter = asyncio.create_task(_generate(engine, "Next", SamplingParams(max_tokens=3, temperature=0.0)))
-        await asyncio.sleep(0.05)
-        assert engine.num_waiting == 1
+        await wait_until(lambda: engine.num_waiting == 1)
+        assert engine.num_running == 1  # the long request still holds the slot
         await gen.aclose()
         _, reason, _ = await asyncio.wait_for(waiter, timeout=30)
         assert reason in ("length", "stop")
@@ -207,12 +216,12 @@ def test_stop_sequence_and_eos_end_generation(loaded) -> None:
     assert stopped[0] == free[0][: free[0].index(stop)]
 
 
-def test_model_dir_errors_are_clear(tmp_path, tiny_export) -> None:  # noqa: F811
+def test_model_dir_errors_are_clear(tmp_path, tiny_export) -> None:
     with pytest.raises(ModelDirError, match=r"lineage\.json"):
         (tmp_path / "config.json").write_text((tiny_export / "config.json").read_text())
         load_model_dir(tmp_path)
 
 
-def test_lineage_id_distinguishes_exports(loaded, worse_export_dir) -> None:  # noqa: F811
+def test_lineage_id_distinguishes_exports(loaded, worse_export_dir) -> None:
     worse = load_model_dir(worse_export_dir)
     assert worse.name == loaded.name and worse.lineage_id != loaded.lineage_id

@@ -22,13 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 import yaml
-from serve_fixtures import (  # noqa: F401  (session fixtures)
-    free_port,
-    running_app,
-    split_documents,
-    tiny_export,
-    worse_export_dir,
-)
+from conftest import free_port
+from serve_fixtures import running_app, split_documents
 from test_serve_alerts import DASHBOARDS, find_binary
 
 from serve.canary import main as canary_main
@@ -122,7 +117,7 @@ def evalset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_export, evalset, tmp_path_factory):  # noqa: F811
+def stack(tiny_export, evalset, tmp_path_factory):
     """(app base URL, Prometheus URL, app args): the trained model with its canary every 2 s."""
     sd_dir = tmp_path_factory.mktemp("prom-sd")
     port = free_port()
@@ -223,7 +218,7 @@ def test_canary_cli_once_scores_the_live_endpoint(stack, evalset) -> None:
     assert status["score"] == pytest.approx(result["score"], abs=1e-6)
 
 
-def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, worse_export_dir) -> None:  # noqa: F811
+def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, worse_export_dir) -> None:
     from ray import serve
 
     from serve.app import build_app

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_fixtures import token_dir  # noqa: F401  (pytest fixture)
+import yaml
 
-from train.config import ConfigError, load_config
+from train.__main__ import main, overrides_from_args, parse_args
+from train.config import ConfigError, config_from_dict, load_config
 from train.data import TrainBatches, ValBatches, global_sample_windows, rank_windows
 from train.manifest import load_manifest
 from train.optim import learning_rate
@@ -57,7 +58,7 @@ def test_global_batch_is_the_same_sequences_for_any_world_size() -> None:
         assert np.array_equal(single, ddp)
 
 
-def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> None:  # noqa: F811
+def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> None:
     manifest = load_manifest(token_dir)
 
     def loader() -> TrainBatches:
@@ -80,7 +81,7 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
         loader().load_state_dict({"step": 2, "seed": 1, "world_size": 1})
 
 
-def test_val_batches_split_evenly_across_ranks(token_dir: Path) -> None:  # noqa: F811
+def test_val_batches_split_evenly_across_ranks(token_dir: Path) -> None:
     manifest = load_manifest(token_dir)
     per_rank = [ValBatches(manifest, 32, 4, 9, r, 2, torch.device("cpu")) for r in range(2)]
     counts = [sum(b.inputs.shape[0] for b in v) for v in per_rank]
@@ -94,12 +95,35 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="multiple of micro_batch_size"):
         load_config(None, {"parallel.strategy": "ddp", "parallel.workers": 3})
-    with pytest.raises(ConfigError, match="expected int"):
+    with pytest.raises(ConfigError, match=r"steps: .*valid integer.*many"):
         load_config(None, {"steps": "many"})
     good = tmp_path / "good.yaml"
     good.write_text("optimizer:\n  lr: 3e-4\nmodel:\n  n_layer: 2\n")
     config = load_config(good, {"model.n_layer": 3})
     assert config.optimizer.lr == 3e-4 and config.model.n_layer == 3
+
+
+def test_set_overrides_parse_and_validate_like_the_file(tmp_path: Path) -> None:
+    """``python -m train --set`` goes through train.overrides (shared with serve and cluster.plan):
+    YAML-typed values, later flags win, unknown keys and bad values are errors naming the key."""
+    args = parse_args(
+        ["--data", "d", "--output", "o", "--strategy", "ddp", "--workers", "2",
+         "--set", "optimizer.lr=3e-4", "--set", "parallel.workers=4", "--set", "checkpoint.num_to_keep=null",
+         "--set", "metrics.wandb=true"]
+    )  # fmt: skip
+    config = load_config(None, overrides_from_args(args))
+    assert config.optimizer.lr == 3e-4 and config.parallel.workers == 4 and config.parallel.strategy == "ddp"
+    assert config.checkpoint.num_to_keep is None and config.metrics.wandb is True
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        overrides_from_args(parse_args(["--data", "d", "--output", "o", "--set", "optimizer.lr"]))
+    with pytest.raises(ConfigError, match=r"parallel.precision: .*'fp16'"):
+        load_config(None, {"parallel.precision": "fp16"})
+    with pytest.raises(ConfigError, match=r"checkpoint\.test_kill_at_step: unknown key"):
+        load_config(None, {"checkpoint.test_kill_at_step": 3})
+    # The CLI turns a config error into exit status 2 and a message, before importing Ray.
+    assert main(["--data", str(tmp_path), "--output", str(tmp_path / "o"), "--set", "optimizer.warmup_step=3"]) == 2
+    # The config round-trips through the plain dict Ray workers receive, and config.yaml's YAML.
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict()))) == config
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "gpt2_small.yaml"])

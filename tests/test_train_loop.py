@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+from train_fixtures import tiny_overrides
 
 from train.config import TrainConfig, load_config
 from train.guard import GuardRail, TrainingDiverged
@@ -49,7 +49,7 @@ def test_model_is_causal_tied_and_starts_near_uniform() -> None:
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_grad_accumulation_matches_one_big_batch(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_grad_accumulation_matches_one_big_batch(token_dir: Path, tmp_path: Path) -> None:
     curves = []
     for micro in (2, 8):  # accum 4 × micro 2 vs accum 1 × micro 8: the same 8 sequences per step
         trainer = Trainer(make_config(token_dir, tmp_path / f"m{micro}", **{"data.micro_batch_size": micro}), CPU)
@@ -68,15 +68,18 @@ def poison_forward(trainer: Trainer, bad_steps: set[int]) -> None:
     trainer.gpt.blocks[0].register_forward_hook(hook)
 
 
-def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "run", steps=6)
     trainer = Trainer(config, CPU)
     poison_forward(trainer, {3})
-    snapshots = []
+    snapshots, results = [], []
     for _ in range(6):
         snapshots.append({k: v.clone() for k, v in trainer.gpt.state_dict().items()})
-        record = trainer.train_step()
-        trainer.metrics.log(record, report=False)
+        results.append(trainer.optimizer_step())
+        trainer.metrics.log(results[-1].record, report=False)
+    # The verdict is stated by the step, not inferred: step 3 was bad, skipped, and did not roll back.
+    assert [r.verdict.ok for r in results] == [True, True, True, False, True, True]
+    assert all(r.rollback is None for r in results) and trainer.step == 6
     after_bad = {k: v.clone() for k, v in trainer.gpt.state_dict().items()}
     assert all(torch.equal(snapshots[4][k], snapshots[3][k]) for k in after_bad)  # step 3 left weights alone
     assert not all(torch.equal(snapshots[3][k], snapshots[2][k]) for k in after_bad)  # step 2 did update
@@ -89,7 +92,7 @@ def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Pa
     assert all(math.isfinite(r["loss"]) for r in records if r["step"] != 3)
 
 
-def test_consecutive_bad_steps_stop_training(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_consecutive_bad_steps_stop_training(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "run", **{"guard.max_consecutive_bad": 3})
     trainer = Trainer(config, CPU)
     poison_forward(trainer, set(range(2, 100)))
@@ -108,7 +111,7 @@ def test_grad_norm_spike_is_flagged_against_running_median() -> None:
     assert not guard.check(CPU, loss, float("inf")).ok
 
 
-def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "a", steps=6)
     straight = Trainer(config, CPU)
     expected = [straight.train_step()["loss"] for _ in range(6)]

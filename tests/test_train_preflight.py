@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
-from train_fixtures import tiny_overrides, token_dir  # noqa: F401  (token_dir is a pytest fixture)
+from train_fixtures import tiny_overrides
 
 from train.config import load_config
 from train.preflight import PreflightError, check_data, check_resources
@@ -22,11 +22,11 @@ def config_for(data_dir: Path, tmp_path: Path, **extra: object):
     return load_config(None, tiny_overrides(data_dir, tmp_path / "run", **extra))
 
 
-def copy_data(token_dir: Path, tmp_path: Path) -> Path:  # noqa: F811
+def copy_data(token_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(token_dir, tmp_path / "data"))
 
 
-def test_good_data_fills_vocab_from_manifest(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_good_data_fills_vocab_from_manifest(token_dir: Path, tmp_path: Path) -> None:
     config = config_for(token_dir, tmp_path)
     manifest = check_data(config)
     assert config.model.vocab_size == manifest.vocab_size == 512
@@ -38,7 +38,7 @@ def test_data_dir_without_manifest(tmp_path: Path) -> None:
         check_data(config_for(tmp_path / "empty", tmp_path))
 
 
-def test_manifest_vocab_disagrees_with_tokenizer(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_manifest_vocab_disagrees_with_tokenizer(token_dir: Path, tmp_path: Path) -> None:
     data = copy_data(token_dir, tmp_path)
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["tokenizer"]["vocab_size"] = 1024
@@ -48,7 +48,7 @@ def test_manifest_vocab_disagrees_with_tokenizer(token_dir: Path, tmp_path: Path
         check_data(config_for(data, tmp_path))
 
 
-def test_tokenizer_replaced_after_tokenization(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_tokenizer_replaced_after_tokenization(token_dir: Path, tmp_path: Path) -> None:
     data = copy_data(token_dir, tmp_path)
     tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
     tokenizer.add_tokens(["<|extra|>"])
@@ -57,17 +57,17 @@ def test_tokenizer_replaced_after_tokenization(token_dir: Path, tmp_path: Path) 
         check_data(config_for(data, tmp_path))
 
 
-def test_model_vocab_disagrees_with_data(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_model_vocab_disagrees_with_data(token_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"model.vocab_size=50257 but the data's tokenizer has 512"):
         check_data(config_for(token_dir, tmp_path, **{"model.vocab_size": 50257}))
 
 
-def test_block_size_longer_than_any_shard(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_block_size_longer_than_any_shard(token_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"block_size 100000 needs windows of 100001 tokens.*longest train shard"):
         check_data(config_for(token_dir, tmp_path, **{"model.block_size": 100_000}))
 
 
-def test_shard_truncated_on_disk(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_shard_truncated_on_disk(token_dir: Path, tmp_path: Path) -> None:
     data = copy_data(token_dir, tmp_path)
     shard = data / "tokens" / "train-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
@@ -75,7 +75,7 @@ def test_shard_truncated_on_disk(token_dir: Path, tmp_path: Path) -> None:  # no
         check_data(config_for(data, tmp_path))
 
 
-def test_more_workers_than_cpus_or_gpus(token_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_more_workers_than_cpus_or_gpus(token_dir: Path, tmp_path: Path) -> None:
     config = config_for(token_dir, tmp_path, **{"parallel.strategy": "ddp", "parallel.workers": 4})
     with pytest.raises(PreflightError, match="needs 4 CPUs; the Ray cluster has 2"):
         check_resources(config, {"CPU": 2.0})

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from ccnet import CCNET_FILES, load_ccnet_texts
 
-from pipeline.steps.tokenize import EOT, TokenizeConfig, train_tokenizer
-
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -28,6 +26,10 @@ def load_documents() -> list[str]:
 
 def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Path:
     """Every ``val_every``-th document goes to the val split (about 14k of 75k characters), the rest to train."""
+    # Imported here, not at the top: conftest loads this module for every session, and tests of other
+    # stages must not depend on the tokenize step.
+    from pipeline.steps.tokenize import EOT, TokenizeConfig, train_tokenizer
+
     docs = load_documents()
     val_docs = [d for i, d in enumerate(docs) if i % val_every == 1]
     train_docs = [d for i, d in enumerate(docs) if i % val_every != 1]

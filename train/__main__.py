@@ -8,10 +8,10 @@ import os
 import sys
 from typing import Any
 
-import yaml
-
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
+from train.logsetup import setup_logging
+from train.overrides import parse_set
 from train.parallel import ReplicaMismatch
 from train.preflight import PreflightError
 
@@ -57,27 +57,26 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             overrides[key] = getattr(args, flag)
     if args.resume:
         overrides["checkpoint.resume"] = True
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key] = yaml.safe_load(value)
-    return overrides
+    return overrides | parse_set(args.set)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         config = load_config(args.config, overrides_from_args(args))
-        from train.launch import launch  # imported late: `--help` and config errors need no Ray
+        # Imported late: `--help` and config errors need neither Ray nor matplotlib.
+        from train.curves import format_summary
+        from train.launch import launch
 
-        launch(config, address=args.address)
+        summary = launch(config, address=args.address)
     except (ConfigError, PreflightError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (TrainingDiverged, ReplicaMismatch) as exc:
         print(f"training stopped: {exc}", file=sys.stderr)
         return 1
+    print(format_summary(summary))
     return 0
 
 

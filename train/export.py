@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from train.layout import FINAL_DIR, FINAL_INFO, FINAL_MODEL, FINAL_PROBE
+from train.logsetup import setup_logging
 from train.manifest import DataError, load_manifest, sha256_file
 from train.model import GPT, GPTConfig
-from train.trainer import FINAL_DIR
 
 # fp32 runs must match to float rounding; runs that computed in bf16 (FSDP casts parameters to bf16
 # for the forward) are compared with the export in bf16, to bf16 precision.
@@ -35,17 +36,17 @@ class ExportError(RuntimeError):
 def load_final(run_dir: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Rebuild the trained model from ``<run>/final``; returns (model in eval mode, final.json)."""
     final = Path(run_dir) / FINAL_DIR
-    if not (final / "final.json").is_file():
-        raise ExportError(f"{final} has no final.json: did the run finish? (python -m train ... --output {run_dir})")
-    info = json.loads((final / "final.json").read_text())
+    if not (final / FINAL_INFO).is_file():
+        raise ExportError(f"{final} has no {FINAL_INFO}: did the run finish? (python -m train ... --output {run_dir})")
+    info = json.loads((final / FINAL_INFO).read_text())
     model = GPT(GPTConfig(**info["model_config"]))
-    model.load_state_dict(load_file(str(final / "model.safetensors")), strict=True)
+    model.load_state_dict(load_file(str(final / FINAL_MODEL)), strict=True)
     return model.eval(), info
 
 
 @torch.no_grad()
 def probe_difference(model: GPT, run_dir: str | Path, precision: str, strategy: str) -> float:
-    probe = load_file(str(Path(run_dir) / FINAL_DIR / "probe.safetensors"))
+    probe = load_file(str(Path(run_dir) / FINAL_DIR / FINAL_PROBE))
     compute_in_bf16 = precision == "bf16" and strategy == "fsdp"
     candidate = GPT(model.config).eval()
     candidate.load_state_dict(model.state_dict())
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="training run dir (python -m train --output)")
     parser.add_argument("--output", help="export dir (default: RUN/export)")
     args = parser.parse_args(argv)
+    setup_logging()
     try:
         out = export(args.run, args.output)
     except ExportError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,14 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchTrainer
 
 from train.config import TrainConfig
-from train.curves import format_summary, summarize
+from train.curves import summarize
 from train.guard import TrainingDiverged
 from train.parallel import ReplicaMismatch
 from train.preflight import check_checkpoints, check_data, check_extras, check_resources
-from train.trainer import train_loop_per_worker
+from train.trainer import StepCallback
+from train.worker import CALLBACK_KEY, CONFIG_KEY, train_loop_per_worker
+
+log = logging.getLogger(__name__)
 
 
 def ray_checkpoint_config(config: TrainConfig, has_val: bool) -> CheckpointConfig:
@@ -30,9 +34,12 @@ def ray_checkpoint_config(config: TrainConfig, has_val: bool) -> CheckpointConfi
     )
 
 
-def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
-    """Validate everything, run training on Ray, return the loss-curve summary."""
-    config.validate()
+def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCallback | None = None) -> dict[str, Any]:
+    """Check the data and the cluster, run training on Ray, return the loss-curve summary.
+
+    ``on_step_end`` runs on every worker after each step (see ``train.trainer.StepInfo``); it travels
+    to the workers inside TorchTrainer's train_loop_config, so it must be picklable.
+    """
     check_extras(config)
     manifest = check_data(config)  # also fills model.vocab_size
     output = Path(config.output_dir).resolve()
@@ -52,7 +59,7 @@ def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
     resources = {"CPU": p.cpus_per_worker} | ({"GPU": 1} if p.use_gpu else {})
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=config.to_dict(),
+        train_loop_config={CONFIG_KEY: config.to_dict(), CALLBACK_KEY: on_step_end},
         scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
         # The run dir is Ray Train's run dir (storage_path/name), so its checkpoints land next to
         # metrics.jsonl.
@@ -75,5 +82,5 @@ def launch(config: TrainConfig, address: str | None = None) -> dict[str, Any]:
         raise
     summary = summarize(output)
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(format_summary(summary))
+    log.info("run dir %s", output)
     return summary

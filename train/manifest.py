@@ -42,9 +42,10 @@ class Manifest:
         return [s for s in self.shards if s.split == name]
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """The one file hash of the project: data manifests, checkpoints, exports and the pipeline's outputs."""
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
+    with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()

@@ -14,11 +14,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,6 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from train.config import Precision, Strategy
+from train.dist import DistContext
 from train.model import GPT
 
 
@@ -33,34 +32,7 @@ class ReplicaMismatch(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-@dataclass
-class DistContext:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor, op=op)
-        return tensor
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-
-def apply_strategy(model: GPT, strategy: str, ctx: DistContext, precision: str) -> nn.Module:
+def apply_strategy(model: GPT, strategy: Strategy, ctx: DistContext, precision: Precision) -> nn.Module:
     """Move/wrap ``model`` for ``strategy``; returns the module the train loop calls."""
     model.to(ctx.device)
     if strategy == "single":
@@ -124,12 +96,18 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def replica_digest(model: nn.Module) -> str:
-    """sha256 of this rank's view of the full parameters (gathered for FSDP; a collective then).
-    All ranks must agree after every step; a mismatch means the replicas have diverged."""
+def holds_replica(model: nn.Module) -> bool:
+    """Whether this rank holds the whole model (single, DDP) rather than a shard of it (FSDP)."""
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_digest(model: nn.Module) -> str:
+    """sha256 of the parameters this rank holds: the full replica (single, DDP), or its local shards
+    (FSDP, ``to_local()``; no collective). Replicas must agree after every step; FSDP shards are
+    different tensors by design, so their digests identify the shards but are not compared."""
     digest = hashlib.sha256()
     for name, param in sorted(unwrap(model).named_parameters(), key=lambda item: item[0]):
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        local = param.to_local() if isinstance(param, DTensor) else param
         digest.update(name.encode())
-        digest.update(full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        digest.update(local.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()

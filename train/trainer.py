@@ -6,36 +6,37 @@ history, best val loss) and this rank's RNG states under a rank-unique key, and 
 restores them. It composes a ``checkpoints.Checkpointer`` (periodic/best/final saves, resume,
 rollback in ``on_bad_step``).
 
-``train_loop_per_worker`` is what Ray Train runs on each worker.
+A step-end callback (``on_step_end``, given a ``StepInfo``) is the seam for everything outside the
+loop's own job: the tests inject faults (a worker that SIGKILLs itself) and read each rank's shards
+through it. The end of a run (full model, probe, final.json) is ``train.final``; what Ray Train runs on
+each worker is ``train.worker``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoints.checkpointer import Checkpointer
 from checkpoints.rng import capture_rng, restore_rng, rng_key
 from checkpoints.store import LocalStore, RayStore
-from train.config import TrainConfig, config_from_dict
-from train.curves import plot_loss_curves
+from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.manifest import load_manifest
-from train.memory import cuda_peak_bytes, peak_rss_bytes, state_bytes
+from train.memory import gather_memory, state_bytes
 from train.metrics import MetricsLogger
 from train.model import GPT
 from train.optim import build_optimizer, learning_rate, set_learning_rate
@@ -43,14 +44,39 @@ from train.parallel import (
     DistContext,
     ReplicaMismatch,
     apply_strategy,
-    full_state_dict,
     grad_norm,
     gradient_sync,
-    replica_digest,
+    holds_replica,
+    local_digest,
     scale_grads,
 )
 
-FINAL_DIR = "final"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What an ``on_step_end`` callback sees after each optimizer step, on every rank."""
+
+    step: int  # the step just finished (0-based)
+    rank: int
+    world_size: int
+    run_dir: str
+    record: dict[str, Any]  # the step's metrics record
+    model: nn.Module  # the module this rank trains (DDP/FSDP-wrapped; FSDP parameters are local shards)
+
+
+StepCallback = Callable[[StepInfo], None]
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's outcome, stated rather than inferred: the guard's verdict, and whether the
+    bad step rolled training back to a checkpoint (then ``Trainer.step`` is the restored step)."""
+
+    record: dict[str, Any]
+    verdict: Verdict
+    rollback: dict[str, Any] | None = None
 
 
 class Trainer(Stateful):
@@ -60,11 +86,14 @@ class Trainer(Stateful):
         ctx: DistContext,
         reporter: Callable[[dict[str, Any]], None] | None = None,
         ray_storage: bool = False,
+        on_step_end: StepCallback | None = None,
     ) -> None:
         """``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage (inside a
-        Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs)."""
+        Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs).
+        ``on_step_end``: called on every rank after each step's logging."""
         self.config = config
         self.ctx = ctx
+        self.on_step_end = on_step_end
         self.manifest = load_manifest(config.data_dir)
         cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
 
@@ -103,7 +132,7 @@ class Trainer(Stateful):
                 "train_config": config.to_dict(),
                 "data_manifest_sha256": self.manifest.sha256,
             }
-            self.checkpointer = Checkpointer(config.checkpoint, ctx.rank, ctx.world_size, ctx.device, run_info, store)
+            self.checkpointer = Checkpointer(config.checkpoint, ctx, run_info, store)
             # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
@@ -119,13 +148,14 @@ class Trainer(Stateful):
 
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
+        """Resume if asked, run the remaining steps, and commit the last checkpoint. The end-of-run
+        outputs (full model, probe, final.json, loss curve) are ``train.final.write_final``."""
         if self.resuming:
             self.resume()
         while self.step < self.config.steps:
             self.run_step()
         if self.checkpointer is not None:
             self.checkpointer.close()
-        self.finish()
 
     def resume(self) -> None:
         """Continue from the newest checkpoint that verifies (none: start from scratch, and say so)."""
@@ -133,7 +163,7 @@ class Trainer(Stateful):
         restored = self.checkpointer.restore(self)
         if restored is None:
             if self.ctx.is_main:
-                print("[checkpoint] resume requested but no loadable checkpoint found: starting at step 0", flush=True)
+                log.warning("resume requested but no loadable checkpoint found: starting at step 0")
             self.metrics.truncate_from(0)
             return
         self.metrics.truncate_from(self.step)
@@ -147,25 +177,25 @@ class Trainer(Stateful):
             }
         )
         if self.ctx.is_main:
-            print(
-                f"[checkpoint] resumed from {restored.name}: step {self.step}, "
-                f"{self.step * self.tokens_per_step} tokens seen, data step {self.train_batches.step}",
-                flush=True,
-            )
+            log.info(
+                "resumed from %s: step %d, %d tokens seen, data step %d",
+                restored.name, self.step, self.step * self.tokens_per_step, self.train_batches.step,
+            )  # fmt: skip
             if restored.world_size != self.ctx.world_size:
-                print(
-                    f"[checkpoint] world size changed {restored.world_size} -> {self.ctx.world_size}: model and "
-                    "optimizer state resharded; the global batch stays "
-                    f"{self.config.data.global_batch_size} sequences and every step consumes the same global "
-                    "samples, but DATA ORDER DIFFERS from the uninterrupted run per rank (samples are split "
-                    "across a different number of ranks and reduced in a different order), so losses will "
-                    "match it only to float rounding, not bitwise; ranks without saved RNG state keep fresh ones",
-                    flush=True,
-                )
+                log.warning(
+                    "world size changed %d -> %d: model and optimizer state resharded; the global batch stays "
+                    "%d sequences and every step consumes the same global samples, but DATA ORDER DIFFERS from "
+                    "the uninterrupted run per rank (samples are split across a different number of ranks and "
+                    "reduced in a different order), so losses will match it only to float rounding, not "
+                    "bitwise; ranks without saved RNG state keep fresh ones",
+                    restored.world_size, self.ctx.world_size, self.config.data.global_batch_size,
+                )  # fmt: skip
 
     def run_step(self) -> dict[str, Any]:
-        """One optimizer step plus what the schedule asks for at it: validation, replica check, logging."""
-        record = self.train_step()
+        """One optimizer step plus what the schedule asks for at it: validation, replica check,
+        checkpoint, logging, then the step-end callback. Returns the step's metrics record."""
+        result = self.optimizer_step()
+        record = result.record
         step = record["step"]
         last = step == self.config.steps - 1
         interval = self.config.data.eval_interval
@@ -173,13 +203,17 @@ class Trainer(Stateful):
             record["val_loss"] = self.evaluate()
         if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
             self.check_replicas()
-        if self.checkpointer is not None and self.step == step + 1:  # no rollback happened this step
+        # After a rollback the state is the restored checkpoint's, already saved: nothing new to checkpoint.
+        if self.checkpointer is not None and result.rollback is None:
             self._checkpoint(record, last)
         mc = self.config.metrics
         report = last or step % mc.ray_report_interval == 0
         if report or step % mc.log_interval == 0 or "val_loss" in record or "checkpoint_stall_s" in record:
-            self.metrics.log(self._with_memory(record), report=report)
-        self._maybe_inject_fault(step)
+            record.update(gather_memory(self.ctx, self.peak_state_bytes))
+            self.metrics.log(record, report=report)
+        if self.on_step_end is not None:
+            info = StepInfo(step, self.ctx.rank, self.ctx.world_size, self.config.output_dir, record, self.model)
+            self.on_step_end(info)
         return record
 
     def _checkpoint(self, record: dict[str, Any], last: bool) -> None:
@@ -199,19 +233,13 @@ class Trainer(Stateful):
             self.checkpointer.save(self, self.step, kinds, info, rollbacks=len(self.rollbacks))
         record.update(self.checkpointer.drain_metrics())
 
-    def _maybe_inject_fault(self, step: int) -> None:
-        """Test-only: SIGKILL this worker once per run dir (see CheckpointConfig.test_kill_at_step)."""
-        c = self.config.checkpoint
-        if step != c.test_kill_at_step or self.ctx.rank != c.test_kill_rank:
-            return
-        marker = Path(self.config.output_dir) / f".fault_injected_step{step}"
-        if marker.exists():
-            return
-        marker.write_text(f"rank {self.ctx.rank} pid {os.getpid()} killed itself after step {step}\n")
-        print(f"[fault injection] rank {self.ctx.rank} SIGKILLs itself after step {step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
     def train_step(self) -> dict[str, Any]:
+        """``optimizer_step`` without the schedule around it; returns the step's metrics record."""
+        return self.optimizer_step().record
+
+    def optimizer_step(self) -> StepResult:
+        """Forward/backward over the micro-batches, the guard's verdict, then the update, or a skip
+        (and maybe a rollback). ``self.step`` advances by one unless a rollback restored an older step."""
         step = self.step
         started = time.perf_counter()
         lr = learning_rate(step, self.config.steps, self.config.optimizer)
@@ -230,16 +258,17 @@ class Trainer(Stateful):
         local_loss = loss_sum / len(micro_batches)
 
         norm = float(grad_norm(self.params))
-        # Advanced here, before the verdict is acted on: a rollback in on_bad_step sets it back.
-        self.step = step + 1
         verdict = self.guard.check(self.ctx, local_loss, norm)
+        rollback = None
         if verdict.ok:
             clip = self.config.optimizer.grad_clip
             if clip > 0 and norm > clip:
                 scale_grads(self.params, clip / (norm + 1e-6))
             self.optimizer.step()
         else:
-            self.on_bad_step(step, verdict, norm, local_loss)
+            rollback = self.on_bad_step(step, verdict, norm, local_loss)
+        if rollback is None:
+            self.step = step + 1
         self.peak_state_bytes = max(self.peak_state_bytes, sum(state_bytes(self.model, self.optimizer).values()))
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -247,7 +276,7 @@ class Trainer(Stateful):
         loss_value = float(global_loss)  # .item() also waits for the device, so the timing is honest
         elapsed = time.perf_counter() - started
         tokens_per_s = self.tokens_per_step / elapsed
-        return {
+        record = {
             "step": step,
             "loss": loss_value,
             "lr": lr,
@@ -258,12 +287,16 @@ class Trainer(Stateful):
             "world_size": self.ctx.world_size,
             "grad_accum": self.grad_accum,
             "skipped": not verdict.ok,
-        } | ({"rolled_back_to": self.step} if self.step != step + 1 else {})
+        }
+        if rollback is not None:
+            record["rolled_back_to"] = rollback["restored_step"]
+        return StepResult(record, verdict, rollback)
 
-    def on_bad_step(self, step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor) -> None:
+    def on_bad_step(self, step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor) -> dict[str, Any] | None:
         """The update was skipped (weights and optimizer state untouched). After
         ``checkpoint.rollback_after_bad`` bad steps in a row, roll back to the last good checkpoint
-        and skip the data window that led here; otherwise stop after ``guard.max_consecutive_bad``."""
+        and skip the data window that led here (returns the rollback's record); otherwise stop after
+        ``guard.max_consecutive_bad`` (raises ``TrainingDiverged``), or carry on (returns None)."""
         report = {
             "step": step,
             "reasons": verdict.reasons,
@@ -272,32 +305,35 @@ class Trainer(Stateful):
             "data_position": self.train_batches.position(step),
         }
         self.bad_steps.append(report)
-        print(f"[rank {self.ctx.rank}] skipped step {step}: {json.dumps(report)}", flush=True)
+        log.warning("rank %d skipped step %d: %s", self.ctx.rank, step, json.dumps(report))
         c = self.config.checkpoint
         if (
             self.checkpointer is not None
             and c.rollback_after_bad > 0
             and self.guard.consecutive_bad >= c.rollback_after_bad
             and len(self.rollbacks) < c.max_rollbacks
-            and self.rollback(step)
         ):
-            return
+            rollback = self.rollback(step)
+            if rollback is not None:
+                return rollback
         if self.guard.should_stop():
             raise TrainingDiverged(
                 f"{self.guard.consecutive_bad} consecutive bad steps (limit {self.config.guard.max_consecutive_bad}); "
                 f"last at step {step}: {', '.join(verdict.reasons)}; data position {report['data_position']}"
             )
+        return None
 
-    def rollback(self, bad_step: int) -> bool:
+    def rollback(self, bad_step: int) -> dict[str, Any] | None:
         """Restore the last good checkpoint, then move the data position past the bad step's batch:
         the window from the checkpoint's data position to the bad step is skipped (the spike is
-        often caused by the update *before* it, so skipping only the bad step does not cure it)."""
+        often caused by the update *before* it, so skipping only the bad step does not cure it).
+        Returns what was restored and skipped; None when there is no checkpoint to go back to."""
         assert self.checkpointer is not None
         bad_data_step = self.train_batches.step - 1  # the batch the bad step just consumed
         bad_steps, rollbacks = self.bad_steps, self.rollbacks
         restored = self.checkpointer.restore(self)
         if restored is None:
-            return False
+            return None
         resume_data_step = self.train_batches.step
         self.train_batches.step = bad_data_step + 1
         global_batch = self.config.data.global_batch_size
@@ -313,8 +349,8 @@ class Trainer(Stateful):
         # Records of the steps being redone go; the bad step's own record is still written, marked.
         self.metrics.truncate_from(self.step)
         if self.ctx.is_main:
-            print(f"[checkpoint] rollback: {json.dumps(skipped)}", flush=True)
-        return True
+            log.warning("rollback: %s", json.dumps(skipped))
+        return skipped
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -332,38 +368,12 @@ class Trainer(Stateful):
         return float(totals[0] / totals[1])
 
     def check_replicas(self) -> list[str]:
-        digests = self.ctx.all_gather_object(replica_digest(self.model))
-        if len(set(digests)) > 1:
+        """Digests of what each rank holds; ranks holding replicas (single, DDP) must agree. FSDP ranks
+        hold different shards by design, so there is nothing to compare (and nothing is gathered)."""
+        digests = self.ctx.all_gather_object(local_digest(self.model))
+        if holds_replica(self.model) and len(set(digests)) > 1:
             raise ReplicaMismatch(f"ranks hold different parameters at step {self.step}: {digests}")
         return digests
-
-    def finish(self) -> None:
-        """Gather the full model onto rank 0 and write it to <run>/final/ for train.export."""
-        digests = self.check_replicas()
-        state = full_state_dict(self.model)
-        probe_tokens, probe_logits = self._probe()
-        if self.ctx.is_main:
-            final = Path(self.config.output_dir) / FINAL_DIR
-            final.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(final / "model.safetensors"))
-            # Logits of the live (possibly sharded) model on a fixed input: export checks that the
-            # consolidated weights reproduce them.
-            save_file({"tokens": probe_tokens, "logits": probe_logits}, str(final / "probe.safetensors"))
-            info = {
-                "step": self.step,
-                "model_config": self.config.to_dict()["model"],
-                "train_config": self.config.to_dict(),
-                "data_manifest_sha256": self.manifest.sha256,
-                "replica_digests": digests,
-                "peak_state_bytes": self.peak_state_bytes,
-                "bad_steps": self.bad_steps,
-                "rollbacks": self.rollbacks,
-                "resumed_from": self.resumed_from,
-                "last_checkpoint": self.checkpointer.last_committed if self.checkpointer else None,
-            }
-            (final / "final.json").write_text(json.dumps(info, indent=2))
-            plot_loss_curves(self.config.output_dir)
-        self.metrics.close()
 
     # ---------------------------------------------------------------- helpers
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -371,24 +381,6 @@ class Trainer(Stateful):
         if self.config.parallel.precision == "bf16" and self.config.parallel.strategy != "fsdp":
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    @torch.no_grad()
-    def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.val_batches.windows if self.val_batches else self.train_batches.windows
-        tokens = torch.from_numpy(windows.read(0, self.manifest.dtype)[:-1]).unsqueeze(0)
-        self.model.eval()
-        logits, _ = self.model(tokens.to(self.ctx.device))
-        self.model.train()
-        return tokens, logits.float().cpu()
-
-    def _with_memory(self, record: dict[str, Any]) -> dict[str, Any]:
-        state = self.peak_state_bytes
-        cuda = cuda_peak_bytes(self.ctx.device)
-        per_rank = self.ctx.all_gather_object((state, cuda, peak_rss_bytes()))
-        record["peak_mem_bytes"] = [c if c is not None else s for s, c, _ in per_rank]
-        record["state_bytes"] = [s for s, _, _ in per_rank]
-        record["peak_rss_bytes"] = [r for _, _, r in per_rank]
-        return record
 
     # ---------------------------------------------------------------- Stateful
     def state_dict(self) -> dict[str, Any]:
@@ -429,20 +421,3 @@ def _ray_has_checkpoint() -> bool:
     import ray.train
 
     return ray.train.get_checkpoint() is not None
-
-
-def train_loop_per_worker(config_dict: dict[str, Any]) -> None:
-    """Entry point Ray Train runs on every worker (the process group is already initialised)."""
-    import ray.train
-    import ray.train.torch
-
-    config = config_from_dict(config_dict)
-    # One intra-op thread per allotted CPU: on a shared CPU box more threads than cores only thrash,
-    # and a fixed thread count keeps CPU reductions reproducible.
-    torch.set_num_threads(config.parallel.cpus_per_worker)
-    context = ray.train.get_context()
-    device = ray.train.torch.get_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    ctx = DistContext(rank=context.get_world_rank(), world_size=context.get_world_size(), device=device)
-    Trainer(config, ctx, reporter=ray.train.report, ray_storage=True).train()

@@ -4,28 +4,16 @@
 # Then, locally: `ray attach ray_cluster.yaml --port-forward 8000` and
 #   curl -s localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16}'
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
-SHARED="${SHARED:-/mnt/shared/raylm}"
 MODEL="${MODEL:-$SHARED/models/gpt-ddp}"
 EVALSET="${EVALSET:?set EVALSET to the evaluation set file of the canary}"
 PORT="${PORT:-8000}"
 
 # Serving runs until stopped (`ray job stop <id>`), so do not wait on it.
-ray job submit \
-  --address "$RAY_ADDRESS" \
-  --working-dir . \
-  --runtime-env cluster/jobs/runtime_env.yaml \
-  --submission-id "raylm-serve-$(date +%Y%m%d-%H%M%S)" \
-  --no-wait \
-  -- python -m serve --model "$MODEL" --port "$PORT"
+submit serve --no-wait -- python -m serve --model "$MODEL" --port "$PORT"
 
 # With Serve's default proxy placement a proxy runs on the Serve controller's node (the head) as well as on
-# nodes with replicas; job drivers also run on the head, so the canary reaches the API on localhost.
-ray job submit \
-  --address "$RAY_ADDRESS" \
-  --working-dir . \
-  --runtime-env cluster/jobs/runtime_env.yaml \
-  --submission-id "raylm-canary-$(date +%Y%m%d-%H%M%S)" \
-  --no-wait \
-  -- python -m serve.canary --endpoint "http://127.0.0.1:$PORT" --evalset "$EVALSET" --interval 300
+# nodes with replicas; job drivers also run on the head, so the canary reaches the API on localhost. The
+# interval is the canary's default (serve/config.py).
+submit canary --no-wait -- python -m serve.canary --endpoint "http://127.0.0.1:$PORT" --evalset "$EVALSET"

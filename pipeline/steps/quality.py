@@ -16,14 +16,23 @@ thresholds tuned; a disabled family's signals are ``None`` (its cost is skipped)
 ``doc["text"]`` is applied only to documents that survive every rule, so rejected rows keep the text that
 was judged.
 
+Each family is a table of :class:`Rule` rows (reason, signal, comparison, config field, source), written once:
+:func:`first_failed_rule` evaluates the rows in order, :data:`QUALITY_REASONS` and :data:`QUALITY_SIGNALS` (the
+parquet signal columns) are read off them, and :func:`rules_markdown` renders them for the README.
+
 Every threshold may be set to ``None`` to switch off that single rule. Threshold comparisons are uniform:
-a "min" rule fires when the signal is strictly below it, a "max" rule when strictly above it.
+a "min" rule fires when the signal is strictly below it, a "max" rule when strictly above it. Three C4 rules
+are on/off switches instead (``drop_lorem_ipsum``, ``drop_curly_bracket``, and ``filter_lines``, which drops
+a document the line filter empties); ``False`` switches them off.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,70 +42,19 @@ from pipeline.steps.base import Doc, Step, drop
 __all__ = [
     "QUALITY_REASONS",
     "QUALITY_SIGNALS",
+    "RULE_FAMILIES",
     "C4Config",
     "FineWebConfig",
     "GopherConfig",
     "QualityConfig",
     "QualityFilter",
+    "Rule",
+    "RuleFamily",
+    "failed_rules",
     "first_failed_rule",
     "quality_signals",
+    "rules_markdown",
 ]
-
-_TOP_NS = (2, 3, 4)
-_DUP_NS = (5, 6, 7, 8, 9, 10)
-
-QUALITY_SIGNALS: tuple[str, ...] = (
-    # Gopher quality
-    "word_count",
-    "mean_word_length",
-    "symbol_word_ratio",
-    "bullet_line_ratio",
-    "ellipsis_line_ratio",
-    "alpha_word_ratio",
-    "stop_word_count",
-    # Gopher repetition
-    "dup_line_frac",
-    "dup_para_frac",
-    "dup_line_char_frac",
-    "dup_para_char_frac",
-    *(f"top_{n}gram_char_frac" for n in _TOP_NS),
-    *(f"dup_{n}gram_char_frac" for n in _DUP_NS),
-    # C4
-    "c4_has_lorem_ipsum",
-    "c4_has_curly_bracket",
-    "c4_removed_line_ratio",
-    "c4_sentence_count",
-    # FineWeb
-    "fineweb_line_punct_ratio",
-    "fineweb_short_line_ratio",
-    "fineweb_dup_line_char_ratio",
-    "fineweb_newline_word_ratio",
-)
-
-QUALITY_REASONS: tuple[str, ...] = (
-    "gopher:min_words",
-    "gopher:max_words",
-    "gopher:mean_word_length",
-    "gopher:symbol_word_ratio",
-    "gopher:bullet_lines",
-    "gopher:ellipsis_lines",
-    "gopher:alpha_words",
-    "gopher:stop_words",
-    "gopher:dup_line_frac",
-    "gopher:dup_para_frac",
-    "gopher:dup_line_char_frac",
-    "gopher:dup_para_char_frac",
-    *(f"gopher:top_{n}gram" for n in _TOP_NS),
-    *(f"gopher:dup_{n}gram" for n in _DUP_NS),
-    "c4:lorem_ipsum",
-    "c4:curly_bracket",
-    "c4:empty_after_line_filter",
-    "c4:too_few_sentences",
-    "fineweb:line_punct_ratio",
-    "fineweb:short_line_ratio",
-    "fineweb:dup_line_char_ratio",
-    "fineweb:list_ratio",
-)
 
 
 class _Strict(BaseModel):
@@ -183,6 +141,177 @@ class QualityConfig(_Strict):
     fineweb: FineWebConfig = Field(default_factory=FineWebConfig)
 
 
+# --- the rules -------------------------------------------------------------------------------------------
+
+Comparison = Literal["min", "max", "flag", "all_removed"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a family table: the document is dropped with ``reason`` when ``signal`` fails the threshold
+    held in the family config's ``config_field``.
+
+    * ``"min"`` / ``"max"``: fires when the signal is strictly below / above the threshold; a ``None``
+      threshold or an undefined (``None``) signal never fires.
+    * ``"flag"``: the config field is an on/off switch and the signal is 0/1; fires when both are set.
+    * ``"all_removed"``: the config field switches C4 line filtering on; fires when it left no line (the
+      removed fraction is 1, or undefined because the text had no non-blank line).
+    """
+
+    reason: str
+    signal: str
+    comparison: Comparison
+    config_field: str
+    source: str
+
+    def fires(self, signals: Mapping[str, float | None], family_config: BaseModel) -> bool:
+        value = signals[self.signal]
+        threshold = getattr(family_config, self.config_field)
+        if self.comparison == "min":
+            return value is not None and threshold is not None and value < threshold
+        if self.comparison == "max":
+            return value is not None and threshold is not None and value > threshold
+        if self.comparison == "flag":
+            return bool(threshold) and bool(value)
+        # "all_removed": a None ratio means there was no non-blank line to keep.
+        return bool(threshold) and (value is None or value >= 1.0)
+
+
+@dataclass(frozen=True)
+class RuleFamily:
+    """A table of rules sharing one config section (``QualityConfig.<section>``) and its ``enabled`` switch."""
+
+    title: str
+    section: str
+    config: type[BaseModel]
+    rules: tuple[Rule, ...]
+
+
+_GOPHER = "Gopher (Rae et al. 2021, App. A.1.1)"
+_GOPHER_REPETITION = "Gopher (Rae et al. 2021, App. A.1.1, Table A1)"
+_C4 = "C4 (Raffel et al. 2020, Sec. 2.2)"
+_FINEWEB = "FineWeb (Penedo et al. 2024, Sec. 3.4)"
+_FINEWEB_REFERENCE = "FineWeb reference filter (datatrove `FineWebQualityFilter`, `new_line_ratio=0.3`)"
+
+# Row order is evaluation order (the first rule that fires names the reason) and, through QUALITY_SIGNALS, the
+# order of the signal columns in the parquet files: reordering rows changes the files written.
+GOPHER_QUALITY_RULES = RuleFamily(
+    title="Gopher quality",
+    section="gopher",
+    config=GopherConfig,
+    rules=(
+        Rule("gopher:min_words", "word_count", "min", "min_words", _GOPHER),
+        Rule("gopher:max_words", "word_count", "max", "max_words", _GOPHER),
+        # One reason for both bounds, as the paper states a single range.
+        Rule("gopher:mean_word_length", "mean_word_length", "min", "min_mean_word_length", _GOPHER),
+        Rule("gopher:mean_word_length", "mean_word_length", "max", "max_mean_word_length", _GOPHER),
+        Rule("gopher:symbol_word_ratio", "symbol_word_ratio", "max", "max_symbol_word_ratio", _GOPHER),
+        Rule("gopher:bullet_lines", "bullet_line_ratio", "max", "max_bullet_line_ratio", _GOPHER),
+        Rule("gopher:ellipsis_lines", "ellipsis_line_ratio", "max", "max_ellipsis_line_ratio", _GOPHER),
+        Rule("gopher:alpha_words", "alpha_word_ratio", "min", "min_alpha_word_ratio", _GOPHER),
+        Rule("gopher:stop_words", "stop_word_count", "min", "min_stop_words", _GOPHER),
+    ),
+)
+
+GOPHER_REPETITION_RULES = RuleFamily(
+    title="Gopher repetition",
+    section="gopher",
+    config=GopherConfig,
+    rules=(
+        Rule("gopher:dup_line_frac", "dup_line_frac", "max", "max_dup_line_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_para_frac", "dup_para_frac", "max", "max_dup_para_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_line_char_frac", "dup_line_char_frac", "max", "max_dup_line_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_para_char_frac", "dup_para_char_frac", "max", "max_dup_para_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:top_2gram", "top_2gram_char_frac", "max", "max_top_2gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:top_3gram", "top_3gram_char_frac", "max", "max_top_3gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:top_4gram", "top_4gram_char_frac", "max", "max_top_4gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_5gram", "dup_5gram_char_frac", "max", "max_dup_5gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_6gram", "dup_6gram_char_frac", "max", "max_dup_6gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_7gram", "dup_7gram_char_frac", "max", "max_dup_7gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_8gram", "dup_8gram_char_frac", "max", "max_dup_8gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_9gram", "dup_9gram_char_frac", "max", "max_dup_9gram_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_10gram", "dup_10gram_char_frac", "max", "max_dup_10gram_char_frac", _GOPHER_REPETITION),
+    ),
+)
+
+C4_RULES = RuleFamily(
+    title="C4",
+    section="c4",
+    config=C4Config,
+    rules=(
+        Rule("c4:lorem_ipsum", "c4_has_lorem_ipsum", "flag", "drop_lorem_ipsum", _C4),
+        Rule("c4:curly_bracket", "c4_has_curly_bracket", "flag", "drop_curly_bracket", _C4),
+        Rule("c4:empty_after_line_filter", "c4_removed_line_ratio", "all_removed", "filter_lines", _C4),
+        Rule("c4:too_few_sentences", "c4_sentence_count", "min", "min_sentences", _C4),
+    ),
+)
+
+FINEWEB_RULES = RuleFamily(
+    title="FineWeb",
+    section="fineweb",
+    config=FineWebConfig,
+    rules=(
+        Rule("fineweb:line_punct_ratio", "fineweb_line_punct_ratio", "min", "min_line_punct_ratio", _FINEWEB),
+        Rule("fineweb:short_line_ratio", "fineweb_short_line_ratio", "max", "max_short_line_ratio", _FINEWEB),
+        Rule("fineweb:dup_line_char_ratio", "fineweb_dup_line_char_ratio", "max", "max_dup_line_char_ratio", _FINEWEB),
+        Rule("fineweb:list_ratio", "fineweb_newline_word_ratio", "max", "max_newline_word_ratio", _FINEWEB_REFERENCE),
+    ),
+)
+
+RULE_FAMILIES: tuple[RuleFamily, ...] = (GOPHER_QUALITY_RULES, GOPHER_REPETITION_RULES, C4_RULES, FINEWEB_RULES)
+
+_ALL_RULES = [rule for family in RULE_FAMILIES for rule in family.rules]
+# dict.fromkeys: first-seen order without repeats (a signal or reason may span two rows).
+QUALITY_SIGNALS: tuple[str, ...] = tuple(dict.fromkeys(rule.signal for rule in _ALL_RULES))
+QUALITY_REASONS: tuple[str, ...] = tuple(dict.fromkeys(rule.reason for rule in _ALL_RULES))
+
+
+def failed_rules(signals: Mapping[str, float | None], config: QualityConfig) -> Iterator[Rule]:
+    """Every rule of an enabled family that fires, in evaluation order (all of them, for threshold tuning)."""
+    for family in RULE_FAMILIES:
+        family_config = getattr(config, family.section)
+        if family_config.enabled:
+            for rule in family.rules:
+                if rule.fires(signals, family_config):
+                    yield rule
+
+
+def first_failed_rule(signals: Mapping[str, float | None], config: QualityConfig) -> str | None:
+    """The reason of the first rule that fires, in evaluation order, or ``None`` if the document passes."""
+    rule = next(failed_rules(signals, config), None)
+    return None if rule is None else rule.reason
+
+
+# Read after the signal column: "< `gopher.min_words`" is "word_count < gopher.min_words".
+_FIRES_WHEN: dict[Comparison, str] = {
+    "min": "< `{field}`",
+    "max": "> `{field}`",
+    "flag": "= 1, if `{field}`",
+    "all_removed": "= 1 or undefined (no non-blank line left), if `{field}`",
+}
+
+
+def _format_default(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()  # as written in YAML
+    return "off" if value is None else str(value)
+
+
+def rules_markdown() -> str:
+    """The rule tables as one markdown table, in evaluation order, for the README."""
+    rows = [
+        "| reason | signal | fires when | default threshold | source |",
+        "|---|---|---|---|---|",
+    ]
+    for family in RULE_FAMILIES:
+        for rule in family.rules:
+            field = f"{family.section}.{rule.config_field}"
+            fires_when = _FIRES_WHEN[rule.comparison].format(field=field)
+            default = _format_default(family.config.model_fields[rule.config_field].default)
+            rows.append(f"| `{rule.reason}` | `{rule.signal}` | {fires_when} | {default} | {rule.source} |")
+    return "\n".join(rows) + "\n"
+
+
 # --- text measurements -----------------------------------------------------------------------------------
 
 # A token with no alphabetic character: every char is a digit, '_' or a non-word symbol. Counting these
@@ -196,6 +325,9 @@ _SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)")
 _WORD_CHAR = re.compile(r"\w")
 _BULLETS = frozenset("•‣◦⁃●○▪▫■□►▸▹➢➤✓✔-*–·")
 _ELLIPSES = ("...", "…")
+# n of the Gopher top-n-gram and duplicated-n-gram signals.
+_TOP_NS = (2, 3, 4)
+_DUP_NS = (5, 6, 7, 8, 9, 10)
 
 
 @lru_cache(maxsize=32)
@@ -423,74 +555,6 @@ def _analyze(text: str, config: QualityConfig) -> tuple[dict[str, float | None],
 def quality_signals(text: str, config: QualityConfig) -> dict[str, float | None]:
     """Every name in :data:`QUALITY_SIGNALS` mapped to a float, or ``None`` where undefined/disabled."""
     return _analyze(text, config)[0]
-
-
-def _below(value: float | None, threshold: float | None) -> bool:
-    return value is not None and threshold is not None and value < threshold
-
-
-def _above(value: float | None, threshold: float | None) -> bool:
-    return value is not None and threshold is not None and value > threshold
-
-
-def first_failed_rule(signals: dict[str, float | None], config: QualityConfig) -> str | None:
-    """The reason of the first rule that fires, in evaluation order, or ``None`` if the document passes."""
-    s = signals
-    g = config.gopher
-    if g.enabled:
-        if _below(s["word_count"], g.min_words):
-            return "gopher:min_words"
-        if _above(s["word_count"], g.max_words):
-            return "gopher:max_words"
-        mwl = s["mean_word_length"]
-        if _below(mwl, g.min_mean_word_length) or _above(mwl, g.max_mean_word_length):
-            return "gopher:mean_word_length"
-        if _above(s["symbol_word_ratio"], g.max_symbol_word_ratio):
-            return "gopher:symbol_word_ratio"
-        if _above(s["bullet_line_ratio"], g.max_bullet_line_ratio):
-            return "gopher:bullet_lines"
-        if _above(s["ellipsis_line_ratio"], g.max_ellipsis_line_ratio):
-            return "gopher:ellipsis_lines"
-        if _below(s["alpha_word_ratio"], g.min_alpha_word_ratio):
-            return "gopher:alpha_words"
-        if _below(s["stop_word_count"], g.min_stop_words):
-            return "gopher:stop_words"
-        if _above(s["dup_line_frac"], g.max_dup_line_frac):
-            return "gopher:dup_line_frac"
-        if _above(s["dup_para_frac"], g.max_dup_para_frac):
-            return "gopher:dup_para_frac"
-        if _above(s["dup_line_char_frac"], g.max_dup_line_char_frac):
-            return "gopher:dup_line_char_frac"
-        if _above(s["dup_para_char_frac"], g.max_dup_para_char_frac):
-            return "gopher:dup_para_char_frac"
-        for n in _TOP_NS:
-            if _above(s[f"top_{n}gram_char_frac"], getattr(g, f"max_top_{n}gram_char_frac")):
-                return f"gopher:top_{n}gram"
-        for n in _DUP_NS:
-            if _above(s[f"dup_{n}gram_char_frac"], getattr(g, f"max_dup_{n}gram_char_frac")):
-                return f"gopher:dup_{n}gram"
-    c = config.c4
-    if c.enabled:
-        if c.drop_lorem_ipsum and s["c4_has_lorem_ipsum"]:
-            return "c4:lorem_ipsum"
-        if c.drop_curly_bracket and s["c4_has_curly_bracket"]:
-            return "c4:curly_bracket"
-        removed = s["c4_removed_line_ratio"]
-        if c.filter_lines and (removed is None or removed >= 1.0):
-            return "c4:empty_after_line_filter"
-        if _below(s["c4_sentence_count"], c.min_sentences):
-            return "c4:too_few_sentences"
-    f = config.fineweb
-    if f.enabled:
-        if _below(s["fineweb_line_punct_ratio"], f.min_line_punct_ratio):
-            return "fineweb:line_punct_ratio"
-        if _above(s["fineweb_short_line_ratio"], f.max_short_line_ratio):
-            return "fineweb:short_line_ratio"
-        if _above(s["fineweb_dup_line_char_ratio"], f.max_dup_line_char_ratio):
-            return "fineweb:dup_line_char_ratio"
-        if _above(s["fineweb_newline_word_ratio"], f.max_newline_word_ratio):
-            return "fineweb:list_ratio"
-    return None
 
 
 class QualityFilter(Step):

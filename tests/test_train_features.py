@@ -1,0 +1,169 @@
+"""Trainer features the READMEs name, each exercised on CPU with the tiny model for a few steps:
+bf16 (autocast for single, FSDP2's MixedPrecisionPolicy over two gloo ranks), activation checkpointing,
+torch.compile, and time-based checkpoints (``checkpoint.interval_seconds``). W&B is not installed here:
+see train/README.md, "Tested and untested"."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port
+from torch.distributed.tensor import DTensor
+from train_fixtures import tiny_overrides
+
+from checkpoints.manifest import list_checkpoints, verify
+from train.config import TrainConfig, load_config
+from train.parallel import DistContext
+from train.preflight import check_data
+from train.trainer import StepInfo, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def make_config(data: Path, out: Path, **extra: object) -> TrainConfig:
+    overrides = {"steps": STEPS, "checkpoint.enabled": False} | extra
+    config = load_config(None, tiny_overrides(data, out, **overrides))
+    check_data(config)
+    return config
+
+
+def dtypes_seen(trainer: Trainer) -> list[torch.dtype]:
+    """The dtype of the first block's qkv matmul output, once per forward: what the compute ran in."""
+    seen: list[torch.dtype] = []
+    trainer.gpt.blocks[0].attn.qkv.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    return seen
+
+
+def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_weights(token_dir: Path, tmp_path: Path) -> None:
+    fp32 = Trainer(make_config(token_dir, tmp_path / "fp32"), CPU)
+    bf16 = Trainer(make_config(token_dir, tmp_path / "bf16", **{"parallel.precision": "bf16"}), CPU)
+    seen = dtypes_seen(bf16)
+    reference = [fp32.train_step()["loss"] for _ in range(STEPS)]
+    losses = [bf16.train_step()["loss"] for _ in range(STEPS)]
+    assert seen and set(seen) == {torch.bfloat16}  # the matmuls ran under autocast
+    assert all(p.dtype == torch.float32 for p in bf16.gpt.parameters())  # master weights stay fp32
+    assert all(s.dtype == torch.float32 for st in bf16.optimizer.state.values() for s in st.values())
+    # Same data and init: bf16 rounding moves the losses by well under 1%, but it does move them.
+    assert losses == pytest.approx(reference, rel=1e-2) and losses != reference
+
+
+def _fsdp_bf16_worker(rank: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        overrides = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.precision": "bf16"}
+        trainer = Trainer(make_config(Path(data), Path(out), **overrides), DistContext(rank, 2, torch.device("cpu")))
+        seen = dtypes_seen(trainer)
+        losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        params = list(trainer.gpt.parameters())
+        states = [s for state in trainer.optimizer.state.values() for s in state.values()]
+        queue.put(
+            {
+                "rank": rank,
+                "losses": losses,
+                "compute_dtypes": sorted({str(d) for d in seen}),
+                "sharded": all(isinstance(p, DTensor) for p in params),
+                "param_dtypes": sorted({str(p.dtype) for p in params}),
+                "optimizer_dtypes": sorted({str(s.dtype) for s in states}),
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> None:
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on two gloo ranks: the blocks
+    compute in bf16 from fp32 sharded master weights, and the losses track the fp32 single-process run."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_fsdp_bf16_worker, args=(r, port, str(token_dir), str(tmp_path / "fsdp"), queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+    reference = Trainer(make_config(token_dir, tmp_path / "fp32"), CPU)
+    expected = [reference.train_step()["loss"] for _ in range(STEPS)]
+    for r in results:
+        assert r["compute_dtypes"] == ["torch.bfloat16"], r
+        assert r["sharded"] and r["param_dtypes"] == ["torch.float32"], r
+        assert r["optimizer_dtypes"] == ["torch.float32"], r
+        assert r["losses"] == results[0]["losses"]  # the global loss, all-reduced: the same on both ranks
+        assert r["losses"] == pytest.approx(expected, rel=1e-2) and r["losses"] != expected
+
+
+def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(token_dir: Path, tmp_path: Path) -> None:
+    plain = Trainer(make_config(token_dir, tmp_path / "plain"), CPU)
+    ac = Trainer(make_config(token_dir, tmp_path / "ac", **{"parallel.activation_checkpointing": True}), CPU)
+    calls = {"plain": 0, "ac": 0}
+    for name, trainer in (("plain", plain), ("ac", ac)):
+        # A pre-hook: the recomputation stops early once it has what backward needs (checkpoint's default
+        # early stop), so it never reaches a block's forward (post-)hook.
+        trainer.gpt.blocks[0].register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    losses = {name: [t.train_step()["loss"] for _ in range(STEPS)] for name, t in (("plain", plain), ("ac", ac))}
+    micro_steps = STEPS * plain.grad_accum
+    # Each block's forward runs again in backward under checkpointing: twice per micro-batch instead of once.
+    assert calls == {"plain": micro_steps, "ac": 2 * micro_steps}
+    assert losses["ac"] == losses["plain"]  # recomputation is the same arithmetic: bitwise equal
+    for (name, value), other in zip(plain.gpt.state_dict().items(), ac.gpt.state_dict().values(), strict=True):
+        assert torch.equal(value, other), name
+
+
+def test_torch_compile_compiles_each_block_and_keeps_names_and_losses(token_dir: Path, tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    eager = Trainer(make_config(token_dir, tmp_path / "eager"), CPU)
+    compiled = Trainer(make_config(token_dir, tmp_path / "compiled", **{"parallel.compile": True}), CPU)
+    graphs_before = counters["stats"]["unique_graphs"]
+    expected = [eager.train_step()["loss"] for _ in range(STEPS)]
+    losses = [compiled.train_step()["loss"] for _ in range(STEPS)]
+    assert counters["stats"]["unique_graphs"] > graphs_before  # dynamo really captured graphs
+    assert all(block._compiled_call_impl is not None for block in compiled.gpt.blocks)
+    # Compiled in place per block: the state dict (checkpoints, export) keeps the plain names.
+    assert list(compiled.gpt.state_dict()) == list(eager.gpt.state_dict())
+    assert losses == pytest.approx(expected, rel=1e-4)
+
+
+def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path, tmp_path: Path) -> None:
+    """interval_steps off, interval_seconds on: steps 0-2 are fast (no save), then step 2 is made slow by
+    a step-end callback, so the save check after step 3 finds the interval passed and saves."""
+    interval = 1.5
+
+    def slow_step_2(info: StepInfo) -> None:
+        if info.step == 2:
+            time.sleep(interval + 0.1)
+
+    overrides = {
+        "checkpoint.enabled": True,
+        "checkpoint.interval_steps": 0,
+        "checkpoint.interval_seconds": interval,
+        "checkpoint.save_best": False,
+        "checkpoint.save_final": False,
+    }
+    trainer = Trainer(make_config(token_dir, tmp_path, **overrides), CPU, on_step_end=slow_step_2)
+    records = [trainer.run_step() for _ in range(STEPS)]
+    saved = [r["step"] for r in records if "checkpoints" in r]
+    assert saved == [3]  # not before the slow step, and right after it
+    manifest = verify(tmp_path / "checkpoint_step_000000004")
+    assert manifest["kinds"] == ["periodic"] and manifest["step"] == 4
+    assert "checkpoint_step_000000004" in [p.name for p in list_checkpoints(tmp_path)]

@@ -1,0 +1,70 @@
+"""The end of a run: gather the full model onto rank 0 and write ``<run>/final/`` for ``train.export``.
+
+``final/model.safetensors`` (unsharded state dict, plain GPT names), ``final/probe.safetensors`` (a fixed
+input and the live, possibly sharded, model's logits on it: export checks the consolidated weights
+reproduce them), ``final/final.json`` (step, configs, data manifest sha256, replica digests, bad steps,
+rollbacks, resumes, last checkpoint), and the loss-curve PNG next to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from train.curves import plot_loss_curves
+from train.layout import FINAL_DIR, FINAL_INFO, FINAL_MODEL, FINAL_PROBE
+from train.parallel import full_state_dict
+from train.trainer import Trainer
+
+
+@torch.no_grad()
+def probe_logits(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first val window (train, without a val split) and the live model's fp32 logits on it. With
+    FSDP this is a collective: every rank runs the same forward."""
+    windows = trainer.val_batches.windows if trainer.val_batches else trainer.train_batches.windows
+    tokens = torch.from_numpy(windows.read(0, trainer.manifest.dtype)[:-1]).unsqueeze(0)
+    trainer.model.eval()
+    logits, _ = trainer.model(tokens.to(trainer.ctx.device))
+    trainer.model.train()
+    return tokens, logits.float().cpu()
+
+
+def write_final(trainer: Trainer) -> dict[str, Any] | None:
+    """A collective (every rank calls it after ``trainer.train()``); rank 0 writes the files and
+    returns final.json's contents, the other ranks None."""
+    digests = trainer.check_replicas()
+    state = full_state_dict(trainer.model)
+    probe_tokens, probe = probe_logits(trainer)
+    info = None
+    if trainer.ctx.is_main:
+        config = trainer.config
+        final = Path(config.output_dir) / FINAL_DIR
+        final.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(final / FINAL_MODEL))
+        save_file({"tokens": probe_tokens, "logits": probe}, str(final / FINAL_PROBE))
+        info = {
+            "step": trainer.step,
+            "model_config": config.to_dict()["model"],
+            "train_config": config.to_dict(),
+            "data_manifest_sha256": trainer.manifest.sha256,
+            "replica_digests": digests,
+            "peak_state_bytes": trainer.peak_state_bytes,
+            "bad_steps": trainer.bad_steps,
+            "rollbacks": trainer.rollbacks,
+            "resumed_from": trainer.resumed_from,
+            "last_checkpoint": trainer.checkpointer.last_committed if trainer.checkpointer else None,
+        }
+        (final / FINAL_INFO).write_text(json.dumps(info, indent=2))
+        plot_loss_curves(config.output_dir)
+    trainer.metrics.close()
+    return info
+
+
+def train_to_completion(trainer: Trainer) -> dict[str, Any] | None:
+    """``trainer.train()`` then ``write_final``: a whole run, in process or on a Ray Train worker."""
+    trainer.train()
+    return write_final(trainer)

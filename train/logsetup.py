@@ -1,0 +1,45 @@
+"""One logging set-up for every entry point (the CLIs, and each Ray Train worker).
+
+Modules log through ``logging.getLogger(__name__)`` and never configure logging themselves; each
+``main()`` calls ``setup_logging()`` once. Records go to stderr (stdout stays free for a command's
+output, e.g. ``--json``): through rich's handler on a terminal, as plain lines in the one format below
+otherwise (files, CI, and Ray workers, whose stderr Ray forwards to the driver).
+
+The handler sits on our packages' loggers, not on the root logger: Ray and other libraries configure
+their own loggers and many of them also propagate to the root, so a root handler would print their
+records a second time. Our records still propagate, so pytest's log capture sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PACKAGES = ("train", "checkpoints", "serve", "cluster", "pipeline")
+_MARK = "_raylm_handler"  # set on our handler, so a second call does not add another
+
+
+def _handler() -> logging.Handler:
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler  # imported only for terminals; it renders time and level itself
+
+        handler = RichHandler(show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(FORMAT))
+    setattr(handler, _MARK, True)
+    return handler
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log our packages' records at ``level`` and above to stderr (idempotent: once per process)."""
+    handler = None
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not any(getattr(h, _MARK, False) for h in logger.handlers):
+            handler = handler or _handler()  # one handler object shared by the packages
+            logger.addHandler(handler)

@@ -1,0 +1,40 @@
+"""What Ray Train runs on each worker: rebuild the config, set up the device and logging, train, finish."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from train.config import config_from_dict
+from train.final import train_to_completion
+from train.logsetup import setup_logging
+from train.parallel import DistContext
+from train.trainer import Trainer
+
+# Keys of TorchTrainer's train_loop_config (built by train.launch).
+CONFIG_KEY = "config"  # TrainConfig.to_dict()
+CALLBACK_KEY = "on_step_end"  # a picklable StepCallback, or None
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Entry point Ray Train runs on every worker (the process group is already initialised)."""
+    import ray.train
+    import ray.train.torch
+
+    # Worker processes start with Python's default logging (WARNING, no handler); Ray forwards their
+    # stderr to the driver, so INFO records on stderr reach the user's terminal.
+    setup_logging()
+    config = config_from_dict(loop_config[CONFIG_KEY])
+    # One intra-op thread per allotted CPU: on a shared CPU box more threads than cores only thrash,
+    # and a fixed thread count keeps CPU reductions reproducible.
+    torch.set_num_threads(config.parallel.cpus_per_worker)
+    context = ray.train.get_context()
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = DistContext(rank=context.get_world_rank(), world_size=context.get_world_size(), device=device)
+    trainer = Trainer(
+        config, ctx, reporter=ray.train.report, ray_storage=True, on_step_end=loop_config.get(CALLBACK_KEY)
+    )
+    train_to_completion(trainer)
