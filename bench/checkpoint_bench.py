@@ -15,7 +15,7 @@ dir into storage: SYNC mode inside the stall, ASYNC mode in the background).
 - load: ``Checkpointer.restore`` into a fresh trainer (verify every sha256, then DCP load).
 Medians over ``--repeats``. Goal: async stall <= 10% of the synchronous save.
 
-Without --data it builds the tests' small data dir (real Common Crawl text, 512-token BPE).
+Without --data it runs the pipeline on data/sample with a 512-token BPE (bench/sample_data.py).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def measure(data: Path, root: Path, model: dict[str, Any], repeats: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", help="pipeline output dir (default: build the tests' small data dir)")
+    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "checkpoint"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
@@ -151,12 +151,9 @@ def main() -> None:
     if args.data:
         data = Path(args.data)
     else:
-        sys.path.insert(0, str(REPO / "tests"))
-        from train_fixtures import build_token_dir
+        from sample_data import sample_pipeline_output
 
-        data = out / "data"
-        if not (data / "manifest.json").is_file():
-            build_token_dir(data)
+        data = sample_pipeline_output(out / "data")
     rows = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         for name, model in models.items():

@@ -10,7 +10,7 @@
     .venv/bin/python bench/train_bench.py [--data DIR] [--out runs/bench/train]
     .venv/bin/python bench/train_bench.py --smoke   # 1 step, 1 round, memory table for the demo model only
 
-Without --data it builds the tests' small data dir (real Common Crawl text, 512-token BPE).
+Without --data it runs the pipeline on data/sample with a 512-token BPE (bench/sample_data.py).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def render(speed: dict[str, Any], mem: list[dict[str, Any]], out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", help="pipeline output dir (default: build the tests' small data dir)")
+    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "train"))
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=7)
@@ -229,10 +229,9 @@ def main() -> None:
     if args.data:
         data_dir = Path(args.data)
     else:
-        sys.path.insert(0, str(REPO / "tests"))
-        from train_fixtures import build_token_dir
+        from sample_data import sample_pipeline_output
 
-        data_dir = build_token_dir(out / "data")
+        data_dir = sample_pipeline_output(out / "data")
     speed = throughput(data_dir, out, args.steps, args.rounds)
     mem = memory(models)
     table = render(speed, mem, out)

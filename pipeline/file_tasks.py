@@ -33,7 +33,7 @@ from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths, temp_name, write_json_atomic
 from pipeline.steps.base import Doc, is_dropped
 from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch, shard_part
-from pipeline.steps.extract import check_stream_is_warc, read_records
+from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.quality import QualityFilter
 from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
@@ -94,6 +94,22 @@ def _add_keys(block: list[Doc], keys: DedupKeys, config: PipelineConfig) -> None
             doc["shingles"] = sketch
 
 
+def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: Counter) -> Iterator[Doc]:
+    """Every record of one input as a row. A file that cannot be read at all (missing, HTTP 404, retries
+    exhausted) or is not WARC is an error naming it, or one ``corrupt_file`` row under ``on_corrupt_file: drop``
+    (damage after the first record is handled record by record in ``read_records``)."""
+    try:
+        with open_input(uri, config.input.retry, stats) as stream:
+            check_stream_is_warc(stream, uri)
+            yield from _timed(read_records(stream, uri, config.extract), seconds, "extract")
+            while stream.read(1 << 22):  # hash the whole file as read, even bytes after the last record
+                pass
+    except PipelineInputError:
+        if config.extract.on_corrupt_file == "fail":
+            raise
+        yield corrupt_file_row(uri, stats.bytes)
+
+
 @reports_input_errors
 def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
     """Pass 1 for one input file; returns its summary (also written as the file's marker)."""
@@ -107,10 +123,8 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(out)
     stats = ReadStats()
-    with pq.ParquetWriter(tmp, FILTERED_SCHEMA) as writer, open_input(uri, config.input.retry, stats) as stream:
-        check_stream_is_warc(stream, uri)
-        rows = _timed(read_records(stream, uri, config.extract), seconds, "extract")
-        for block in _blocks(rows, config.execution.records_per_block):
+    with pq.ParquetWriter(tmp, FILTERED_SCHEMA) as writer:
+        for block in _blocks(_records(uri, config, stats, seconds), config.execution.records_per_block):
             for step in steps:
                 started = time.perf_counter()
                 step(block)
@@ -121,8 +135,6 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
             records += len(block)
             drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
             writer.write_table(to_table(block, FILTERED_SCHEMA))
-        while stream.read(1 << 22):  # hash the whole file as read, even bytes after the last record
-            pass
     tmp.replace(out)
     summary = {
         "index": index,

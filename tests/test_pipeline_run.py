@@ -220,3 +220,19 @@ def test_output_under_a_file_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(PipelineOutputError, match="cannot create output parent directory"):
         run_pipeline(str(SAMPLE / "CC-MAIN-2024-22-whirlwind.warc.wet.gz"), blocker / "sub" / "out")
+
+
+def test_a_file_that_is_not_warc_becomes_one_drop_when_asked(tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_wet(inputs / "good.warc.wet.gz", [(f"g{i}", article(f"town {i}")) for i in range(3)])
+    (inputs / "notes.warc.wet.gz").write_bytes(b"these are my notes, not a crawl\n" * 20)
+    with pytest.raises(PipelineInputError, match=r"notes\.warc\.wet\.gz: not a WARC/WET file"):
+        run_pipeline(str(inputs), tmp_path / "strict")
+    config = PipelineConfig.model_validate({"extract": {"on_corrupt_file": "drop"},
+                                            "tokenize": {"vocab_size": 300, "val_fraction": 0.0}})
+    report = run_pipeline(str(inputs), tmp_path / "lenient", config)
+    rejected = read_parquet(tmp_path / "lenient" / "rejected").to_pylist()
+    corrupt = [r for r in rejected if r["reason"] == "corrupt_file"]
+    assert len(corrupt) == 1 and corrupt[0]["source"].endswith("notes.warc.wet.gz")
+    assert report["input"]["records"] == report["output"]["docs"] + sum(s["dropped"] for s in report["stages"])

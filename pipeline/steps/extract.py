@@ -183,15 +183,16 @@ def read_records(stream: BinaryIO, source: str, config: ExtractConfig | None = N
         # The bytes could not be fetched (after retries), as opposed to fetched and found damaged.
         if config.on_corrupt_file == "fail":
             raise
-        yield _corrupt_row(source, offset)
+        yield corrupt_file_row(source, offset)
     except (ArchiveLoadFailed, OSError, EOFError, ValueError, zlib.error) as err:
         message = f"{source}: corrupt input after {emitted} records (near byte {offset}): {_describe(err)}"
         if config.on_corrupt_file == "fail":
             raise PipelineInputError(message) from err
-        yield _corrupt_row(source, offset)
+        yield corrupt_file_row(source, offset)
 
 
-def _corrupt_row(source: str, offset: int) -> Doc:
+def corrupt_file_row(source: str, offset: int) -> Doc:
+    """One dropped row standing for the unreadable rest of a file (``on_corrupt_file: drop``)."""
     row: Doc = {"source": source, "source_offset": offset, "warc_type": "unreadable", "text": None}
     drop(row, STAGE, "corrupt_file")
     return row

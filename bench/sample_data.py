@@ -1,0 +1,26 @@
+"""The data the training benches train on: the real pipeline run on the bundled sample (data/sample).
+
+The benches measure the trainer and checkpointer on what users feed them, a pipeline output directory, so they
+make one with ``python -m pipeline run`` rather than a hand-built imitation of its format.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sample_pipeline_output(out: Path, vocab_size: int = 512) -> Path:
+    """``out`` holding the pipeline's output on data/sample with a ``vocab_size`` BPE (reused if present)."""
+    if (out / "manifest.json").is_file():
+        return out
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "--input", str(REPO / "data" / "sample"), "--output", str(out),
+         "--config", str(REPO / "pipeline" / "configs" / "demo.yaml"), "--set", f"tokenize.vocab_size={vocab_size}",
+         "--num-cpus", "2", "--overwrite"],
+        check=True, cwd=REPO, stdout=subprocess.DEVNULL,
+    )
+    return out
