@@ -184,14 +184,13 @@ def plan_shards(pieces: list[dict], shard_tokens: int) -> list[tuple[str, list[d
     after ``shard_tokens``. A pure function of the pieces, so shard names and contents are deterministic."""
     plan: list[tuple[str, list[dict]]] = []
     for split in ("train", "val"):
-        group: list[dict] = []
+        groups: list[list[dict]] = [[]]
         tokens = 0
         for piece in (p for p in pieces if p["split"] == split):
-            group.append(piece)
+            groups[-1].append(piece)
             tokens += piece["tokens"]
             if tokens >= shard_tokens:
-                plan.append((f"{split}-{sum(1 for n, _ in plan if n.startswith(split)):05d}", group))
-                group, tokens = [], 0
-        if group:
-            plan.append((f"{split}-{sum(1 for n, _ in plan if n.startswith(split)):05d}", group))
+                groups.append([])
+                tokens = 0
+        plan += [(f"{split}-{i:05d}", group) for i, group in enumerate(g for g in groups if g)]
     return plan

@@ -74,7 +74,8 @@ class BucketIndex:
         self._edges: dict[str, set[tuple[str, str]]] = {"exact": set(), "near": set()}
         self._owned: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes this shard owns
         self._view: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes in its edges
-        self._requests: dict[str, list[list[str]]] = {}
+        self._requests: dict[str, list[list[str]]] = {}  # as owner: what each shard asks it for
+        self._asked: dict[str, list[list[str]]] = {}  # as asker: what it asks each owner for
         self._num_shards = 1
         self.stats = {"exact_seconds": 0.0, "minhash_seconds": 0.0, "verify_seconds": 0.0, "resolve_seconds": 0.0,
                       "candidates": 0, "verified": 0, "rounds": 0}
@@ -156,6 +157,7 @@ class BucketIndex:
         parts: list[list[str]] = [[] for _ in range(num_shards)]
         for n in nodes:
             parts[owner_of(n, num_shards)].append(n)
+        self._asked[kind] = parts  # the same nodes are refreshed from the same owners every round
         return _parts(parts)
 
     def register(self, kind: str, *asked: list[str]) -> int:
@@ -196,13 +198,9 @@ class BucketIndex:
 
     def refresh(self, kind: str, *answers: list[str]) -> int:
         view = self._view[kind]
-        nodes = sorted(view)
-        by_owner: list[list[str]] = [[] for _ in range(self._num_shards)]
-        for n in nodes:
-            by_owner[owner_of(n, self._num_shards)].append(n)
-        for asked, labels in zip(by_owner, answers, strict=True):
+        for asked, labels in zip(self._asked[kind], answers, strict=True):
             view.update(zip(asked, labels, strict=True))
-        return len(nodes)
+        return len(view)
 
     # ---- results ----
 
