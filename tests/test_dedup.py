@@ -12,8 +12,9 @@ from pipeline.steps.dedup import (
     DedupConfig,
     DedupKeys,
     deduplicate,
+    jaccard,
     normalise,
-    shingles,
+    shingle_hashes,
 )
 
 BOILERPLATE = (
@@ -22,9 +23,8 @@ BOILERPLATE = (
 )
 
 
-def jaccard(a: str, b: str, n: int = 5) -> float:
-    sa, sb = shingles(a, n), shingles(b, n)
-    return len(sa & sb) / len(sa | sb)
+def text_jaccard(a: str, b: str, n: int = 5) -> float:
+    return jaccard(shingle_hashes(a, n), shingle_hashes(b, n))
 
 
 def edit_words(text: str, fraction: float, seed: int) -> str:
@@ -60,7 +60,7 @@ def test_exact_duplicates_modulo_case_whitespace_punctuation(long_texts):
 def test_near_duplicates_are_clustered_and_lowest_id_kept(long_texts):
     original = long_texts[0]
     near = edit_words(original, 0.01, seed=1)
-    assert 0.8 <= jaccard(original, near) < 1.0
+    assert 0.8 <= text_jaccard(original, near) < 1.0
     docs = deduplicate([doc("z", near), doc("m", original), doc("a", long_texts[2])])
     assert docs[0]["stage"] == MINHASH and docs[0]["reason"] == "near_duplicate"
     assert docs[0]["duplicate_of"] == "m"
@@ -70,7 +70,7 @@ def test_near_duplicates_are_clustered_and_lowest_id_kept(long_texts):
 def test_dissimilar_documents_are_kept(long_texts):
     original = long_texts[0]
     far = edit_words(original, 0.5, seed=2)
-    assert jaccard(original, far) < 0.3
+    assert text_jaccard(original, far) < 0.3
     docs = deduplicate([doc("a", original), doc("b", far)])
     assert all(d.get("reason") is None for d in docs)
 

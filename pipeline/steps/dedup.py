@@ -140,11 +140,6 @@ def _shingle_hashes_of(normalised: str, n: int) -> np.ndarray:
     return np.unique(_mix(rolled))
 
 
-def shingles(text: str, n: int) -> set[int]:
-    """The word n-gram set, as hashes (what exact Jaccard is measured on)."""
-    return set(shingle_hashes(text, n).tolist())
-
-
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Exact Jaccard of two sorted unique hash arrays."""
     inter = len(np.intersect1d(a, b, assume_unique=True))
