@@ -35,6 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sample_data import training_data  # noqa: E402
+
 from checkpoints.manifest import list_checkpoints  # noqa: E402
 from train.config import TrainConfig, load_config  # noqa: E402
 from train.parallel import DistContext  # noqa: E402
@@ -148,12 +150,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.data:
-        data = Path(args.data)
-    else:
-        from sample_data import sample_pipeline_output
-
-        data = sample_pipeline_output(out / "data")
+    data = training_data(args.data, out)
     rows = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         for name, model in models.items():

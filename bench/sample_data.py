@@ -24,3 +24,8 @@ def sample_pipeline_output(out: Path, vocab_size: int = 512) -> Path:
         check=True, cwd=REPO, stdout=subprocess.DEVNULL,
     )
     return out
+
+
+def training_data(data: str | None, out: Path) -> Path:
+    """The benches' ``--data`` directory if one was given, else the pipeline's output on data/sample under ``out``."""
+    return Path(data) if data else sample_pipeline_output(out / "data")

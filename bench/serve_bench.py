@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import gzip
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/serve_bench.py` from anywhere
+
+from train.dist import free_port  # noqa: E402
 
 
 @dataclass
@@ -181,12 +182,6 @@ def make_random_model(out: Path) -> Path:
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "lineage.json").write_text(json.dumps({"step": 0, "note": "untrained, bench/serve_bench.py"}))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def table(results: list[Level]) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,10 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sample_data import training_data  # noqa: E402
+
 from train.config import load_config  # noqa: E402
+from train.dist import free_port  # noqa: E402
 from train.manifest import load_manifest  # noqa: E402
 from train.memory import state_bytes  # noqa: E402
 from train.model import GPT, GPTConfig  # noqa: E402
@@ -147,9 +149,7 @@ def _memory_worker(rank: int, world: int, port: int, result_path: str, models: l
 
 
 def memory(models: list[str], world: int = 2) -> list[dict[str, Any]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "memory.json")
         mp.spawn(_memory_worker, args=(world, port, result_path, models), nprocs=world, join=True)
@@ -226,12 +226,7 @@ def main() -> None:
     models = list(MEMORY_MODELS)[:1] if args.smoke else list(MEMORY_MODELS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.data:
-        data_dir = Path(args.data)
-    else:
-        from sample_data import sample_pipeline_output
-
-        data_dir = sample_pipeline_output(out / "data")
+    data_dir = training_data(args.data, out)
     speed = throughput(data_dir, out, args.steps, args.rounds)
     mem = memory(models)
     table = render(speed, mem, out)

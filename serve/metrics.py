@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Histogram, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
@@ -104,29 +104,21 @@ class ServeMetrics:
             resource=Resource.create({"service.name": "raylm-serve", "service.instance.id": instance_name or ""}),
         )
         meter = self.provider.get_meter("raylm.serve")
-        self.ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Time from request arrival to the first generated token, successful requests.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        self.ttft = _seconds_histogram(
+            meter, "gen_ai.server.time_to_first_token", TTFT_BUCKETS,
+            "Time from request arrival to the first generated token, successful requests.",
         )
-        self.tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="(e2e - TTFT) / (output tokens - 1) per successful request with two or more tokens.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        self.tpot = _seconds_histogram(
+            meter, "gen_ai.server.time_per_output_token", TPOT_BUCKETS,
+            "(e2e - TTFT) / (output tokens - 1) per successful request with two or more tokens.",
         )
-        self.duration = meter.create_histogram(
-            "gen_ai.server.request.duration",
-            unit="s",
-            description="Time from request arrival to the last token, successful requests.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self.duration = _seconds_histogram(
+            meter, "gen_ai.server.request.duration", DURATION_BUCKETS,
+            "Time from request arrival to the last token, successful requests.",
         )
-        self.queue_time = meter.create_histogram(
-            "raylm.server.queue_time",
-            unit="s",
-            description="Time a request waited for a batch slot (arrival to prefill).",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self.queue_time = _seconds_histogram(
+            meter, "raylm.server.queue_time", DURATION_BUCKETS,
+            "Time a request waited for a batch slot (arrival to prefill).",
         )
         self.tokens = meter.create_counter(
             "raylm.server.token.usage", unit="{token}", description="Prompt (input) and generated (output) tokens."
@@ -264,3 +256,7 @@ def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:
     meter.create_observable_gauge("raylm.gpu.utilization", callbacks=[utilization], unit="1")  # type: ignore[attr-defined]
     meter.create_observable_gauge("raylm.gpu.memory.used", callbacks=[memory], unit="By")  # type: ignore[attr-defined]
     return True
+
+
+def _seconds_histogram(meter: Meter, name: str, buckets: tuple[float, ...], description: str) -> Histogram:
+    return meter.create_histogram(name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets)

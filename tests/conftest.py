@@ -1,4 +1,3 @@
-import socket
 import sys
 from pathlib import Path
 
@@ -14,13 +13,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 # without importing them by name into each one.
 pytest_plugins = ["train_fixtures", "serve_fixtures"]
 
-
-def free_port() -> int:
-    """A TCP port free on loopback right now (the OS picks it; a race with other processes is possible
-    but harmless here, where each test binds it within moments)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from ccnet import load_ccnet_texts
-from conftest import free_port
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from train.dist import free_port
 from train.model import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}

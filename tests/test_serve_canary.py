@@ -8,12 +8,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import free_port
 from prometheus_client import generate_latest
 from serve_fixtures import split_documents
 
 from serve.canary import Canary, main
 from serve.evalset import EvalSetError, build_evalset, load_evalset
+from train.dist import free_port
 
 
 @pytest.fixture

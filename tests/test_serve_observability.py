@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 import yaml
-from conftest import free_port
 from serve_fixtures import running_app, split_documents
 from test_serve_alerts import DASHBOARDS, find_binary
 
 from serve.canary import main as canary_main
 from serve.model_dir import load_model_dir
+from train.dist import free_port
 
 pytestmark = pytest.mark.ray
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 from torch.distributed.tensor import DTensor
 from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import list_checkpoints, verify
 from train.config import TrainConfig, load_config
+from train.dist import free_port
 from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import StepInfo, Trainer

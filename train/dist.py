@@ -7,11 +7,20 @@ collective is the identity: the same code runs in-process and inside Ray Train w
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now, for a rendezvous or a test server. The OS picks it; another process
+    may take it before the caller binds it, a race that is harmless where the caller binds within moments."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
