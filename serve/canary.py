@@ -26,7 +26,6 @@ and exposes its scrape port through the same file-based service discovery as the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -35,16 +34,15 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import requests
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from ray import serve
 
-from serve.config import DEFAULT_CANARY_INTERVAL_S, DEFAULT_SD_DIR
+from cluster.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
+from serve.config import DEFAULT_CANARY_INTERVAL_S
 from serve.evalset import EvalSet, EvalSetError, build_evalset, load_evalset
-from serve.metrics import advertised_host, write_sd_target
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +165,12 @@ class Canary:
         return result
 
 
-def expose(registry: CollectorRegistry, host: str, port: int, sd_dir: str | None, name: str) -> tuple[Any, Path | None]:
+def expose(registry: CollectorRegistry, host: str, port: int, sd_dir: str | None, name: str) -> ScrapeEndpoint:
     """Scrape endpoint for the canary's registry, plus a file_sd target next to the replicas' ones."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    sd_file = None
-    if sd_dir:
-        labels = {"raylm_component": "canary"}
-        target = advertised_host(host)
-        sd_file = write_sd_target(Path(sd_dir), f"raylm-canary-{name}.json", target, server.server_port, labels)
-    return server, sd_file
+    return ScrapeEndpoint(
+        registry, host=host, port=port, sd_dir=sd_dir, filename=f"raylm-canary-{safe_name(name)}.json",
+        labels={"raylm_component": "canary"},
+    )  # fmt: skip
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0})
@@ -192,7 +187,7 @@ class CanaryDeployment:
         metrics_sd_dir: str | None = str(DEFAULT_SD_DIR),
     ) -> None:
         self.canary = Canary(endpoint, load_evalset(evalset), interval, min_score)
-        self.server, self.sd_file = expose(
+        self.endpoint = expose(
             self.canary.registry, metrics_host, 0, metrics_sd_dir, f"{socket.gethostname()}-{os.getpid()}"
         )
         self._stop = threading.Event()
@@ -206,14 +201,11 @@ class CanaryDeployment:
             self._stop.wait(self.canary.interval)
 
     def status(self) -> dict[str, Any]:
-        return {**self.canary.last, "metrics_port": self.server.server_port, "interval_s": self.canary.interval}
+        return {**self.canary.last, "metrics_port": self.endpoint.port, "interval_s": self.canary.interval}
 
     def __del__(self) -> None:
         self._stop.set()
-        if self.sd_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.sd_file.unlink()
-        self.server.shutdown()
+        self.endpoint.close()
 
 
 def _build_main(argv: list[str]) -> int:
@@ -266,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         result = canary.run_once()
         print(json.dumps(result, indent=2))
         return 0 if result["status"] == "success" else 1
-    server, sd_file = expose(
+    endpoint = expose(
         canary.registry, args.metrics_host, args.metrics_port, args.metrics_sd_dir or None, f"cli-{os.getpid()}"
     )
-    print(f"canary metrics on http://{args.metrics_host}:{server.server_port}/metrics", flush=True)
+    print(f"canary metrics on http://{args.metrics_host}:{endpoint.port}/metrics", flush=True)
     try:
         while True:
             print(json.dumps(canary.run_once()), flush=True)
@@ -277,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        if sd_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                sd_file.unlink()
+        endpoint.close()
 
 
 if __name__ == "__main__":

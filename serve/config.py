@@ -8,11 +8,11 @@ shares the canary and metrics defaults. Light on purpose (pydantic only): the CL
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.scrape_targets import DEFAULT_SD_DIR
 
 # Sequences decoded together per replica: the KV cache holds this many slots.
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -20,8 +20,6 @@ DEFAULT_MAX_BATCH_SIZE = 8
 # step and queues the rest, where raylm_server_queue_time_seconds measures the wait.
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_CANARY_INTERVAL_S = 300.0  # seconds between canary runs over the eval set
-# Where replicas and the canary write Prometheus file_sd targets (dashboards/prometheus.yml reads it).
-DEFAULT_SD_DIR = Path(os.environ.get("RAYLM_PROM_SD_DIR", "/tmp/raylm/prom_sd"))
 DEFAULT_AUTOSCALING: dict[str, Any] = {
     "min_replicas": 1,
     "max_replicas": 2,

@@ -28,11 +28,8 @@ does not match. Every series carries ``gen_ai_request_model`` and ``raylm_lineag
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -40,9 +37,9 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Histogram, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from serve.config import DEFAULT_SD_DIR
+from cluster.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +136,12 @@ class ServeMetrics:
             description="Requests queued for a batch slot.",
         )
         self.gpu = _register_nvml(meter, self.attrs)
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.host = advertised_host(host)
-        self.port = self._server.server_port
-        self.sd_file = self._write_sd(Path(sd_dir), instance_name or f"pid{os.getpid()}") if sd_dir else None
+        instance = instance_name or f"pid{os.getpid()}"
+        self.endpoint = ScrapeEndpoint(
+            self.registry, host=host, port=port, sd_dir=sd_dir, filename=f"raylm-serve-{safe_name(instance)}.json",
+            labels={"raylm_component": "serve", "raylm_replica": instance},
+        )  # fmt: skip
+        self.host, self.port, self.sd_file = self.endpoint.host, self.endpoint.port, self.endpoint.sd_file
 
     # ---- recording ---------------------------------------------------------------------------------------
 
@@ -169,63 +168,9 @@ class ServeMetrics:
     def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
         yield Observation(self._state()[1], self.attrs)
 
-    # ---- scrape target -----------------------------------------------------------------------------------
-
-    def _write_sd(self, sd_dir: Path, instance_name: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance_name)
-        labels = {"raylm_component": "serve", "raylm_replica": instance_name}
-        return write_sd_target(sd_dir, f"raylm-serve-{safe}.json", self.host, self.port, labels)
-
     def close(self) -> None:
-        if self.sd_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.sd_file.unlink()
-        self._server.shutdown()
-        self._server.server_close()
+        self.endpoint.close()
         self.provider.shutdown()
-
-
-def advertised_host(bind: str) -> str:
-    """The address Prometheus should scrape: the bind address, or this node's IP for a wildcard bind."""
-    if bind not in ("0.0.0.0", "::", ""):
-        return bind
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def write_sd_target(sd_dir: Path, filename: str, host: str, port: int, labels: dict[str, str]) -> Path:
-    """Write a Prometheus file_sd target atomically (Prometheus may read the file at any moment).
-
-    The file records its writer's hostname and pid; dead writers' files on this host are pruned first,
-    so a replica killed without a graceful shutdown does not stay a down target forever.
-    """
-    sd_dir.mkdir(parents=True, exist_ok=True)
-    prune_dead_targets(sd_dir)
-    path = sd_dir / filename
-    owner = {"hostname": socket.gethostname(), "pid": str(os.getpid())}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": {**labels, **owner}}]))
-    tmp.replace(path)
-    return path
-
-
-def prune_dead_targets(sd_dir: Path) -> None:
-    host = socket.gethostname()
-    for path in sd_dir.glob("raylm-*.json"):
-        try:
-            labels = json.loads(path.read_text())[0]["labels"]
-            if labels.get("hostname") != host:
-                continue
-            os.kill(int(labels["pid"]), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            continue  # unreadable, another user's process, or a file mid-write: leave it alone
 
 
 def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:
