@@ -33,3 +33,7 @@ class CheckpointConfig(BaseModel):
     # and skip the data from its position up to and including the bad step (0: never roll back).
     rollback_after_bad: int = Field(0, ge=0)
     max_rollbacks: int = Field(3, ge=0)  # then give up and let the guard stop the run
+    # After a rollback, train the next rollback_lr_steps steps at lr × rollback_lr_factor (the schedule's own
+    # lr otherwise): a spike that the skipped data did not cause is often cured by a gentler restart.
+    rollback_lr_factor: float = Field(1.0, gt=0, le=1)
+    rollback_lr_steps: int = Field(0, ge=0)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import ray.cloudpickle
+import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
@@ -27,12 +30,13 @@ def fault_marker(run_dir: Path, step: int) -> Path:
 
 
 @dataclass(frozen=True)
-class KillOnce:
-    """Rank ``rank`` SIGKILLs its own process right after step ``step``, once per run dir: a marker file
-    written first makes the attempt Ray restarts (or a ``--resume``) run through."""
+class _FaultOnce:
+    """A fault on rank ``rank`` right after step ``step``, once per run dir: a marker file written first makes
+    the attempt Ray restarts (or a ``--resume``) run through."""
 
     step: int
     rank: int
+    what: ClassVar[str]
 
     def __call__(self, info: StepInfo) -> None:
         if info.step != self.step or info.rank != self.rank:
@@ -40,8 +44,30 @@ class KillOnce:
         marker = fault_marker(Path(info.run_dir), self.step)
         if marker.exists():
             return
-        marker.write_text(f"rank {info.rank} pid {os.getpid()} killed itself after step {info.step}\n")
+        marker.write_text(f"rank {info.rank} pid {os.getpid()} {self.what} after step {info.step}\n")
+        self.inject()
+
+    def inject(self) -> None:
+        raise NotImplementedError
+
+
+class KillOnce(_FaultOnce):
+    """The rank SIGKILLs its own process: a worker lost to the OOM killer or a preempted node."""
+
+    what = "killed itself"
+
+    def inject(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangOnce(_FaultOnce):
+    """The rank stops making progress (it sleeps until killed): a hung collective or data read as the
+    watchdog sees it."""
+
+    what = "hung"
+
+    def inject(self) -> None:
+        threading.Event().wait()  # forever: only the watchdog (or Ray tearing the group down) ends it
 
 
 def local_params_file(run_dir: Path, rank: int) -> Path:
@@ -63,3 +89,19 @@ class SaveLocalParams:
             for name, p in unwrap(info.model).named_parameters()
         }
         save_file(held, str(local_params_file(Path(info.run_dir), info.rank)))
+
+
+@dataclass(frozen=True)
+class PoisonWeights:
+    """After step ``step`` every rank overwrites the parameters it holds with NaN: every later loss and grad
+    norm is NaN, and since the guard skips the update of such steps the weights stay poisoned (until a
+    rollback restores a checkpoint). The fault a diverged run shows to its telemetry."""
+
+    step: int
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.step != self.step:
+            return
+        with torch.no_grad():
+            for p in info.model.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))

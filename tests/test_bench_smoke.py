@@ -3,7 +3,8 @@
 These check that the scripts work end to end (they rot silently otherwise); they assert nothing about speed.
 Each script runs once, every section of it included: pipeline_bench --smoke (two pipeline runs, one datatrove
 run: ~70 s on 2 cores) and serve_bench (Ray + Serve start-up: ~40 s) dominate; checkpoint_bench --smoke and
-train_bench --smoke (demo model only: GPT-2 small's memory table is the default run's) take seconds.
+train_bench --smoke (demo model only: GPT-2 small's memory table is the default run's) take seconds, and
+loader_bench --smoke (one round of 3 steps per loader variant, on the tests' token dir: no pipeline run) ~15 s.
 """
 
 from __future__ import annotations
@@ -190,6 +191,20 @@ def test_train_bench_smoke(tmp_path):
                                                                    ("demo (vocab 512)", "fsdp")}
     assert all(len(row["per_rank"]) == 2 for row in memory)
     assert (out / "train_bench.png").is_file()
+
+
+def test_loader_bench_smoke(tmp_path, token_dir):
+    # --smoke: 1 round of 3 timed steps per variant; --data: the tests' token dir, so no pipeline (Ray) run.
+    out = tmp_path / "out"
+    proc = run_script(str(BENCH / "loader_bench.py"), "--smoke", "--data", str(token_dir), "--out", str(out))
+    assert "### Loader read-ahead" in proc.stdout and "| sync | none | " in proc.stdout, proc.stdout
+    assert "| prefetch 2 | none | " in proc.stdout and " ms/read | " in proc.stdout
+    assert "with delay / without delay (median of per-round ratios): sync " in proc.stdout
+    result = json.loads((out / "loader_bench.json").read_text())
+    variants = [(v["prefetch_steps"], v["delayed"]) for v in result["variants"]]
+    assert variants == [(0, False), (0, True), (2, False), (2, True)]
+    assert all(len(v["steps_per_s"]) == 1 and v["steps_per_s"][0] > 0 for v in result["variants"])
+    assert 0 < result["delay_per_read_s"] < result["compute_s"]
 
 
 def test_language_prefix_bench_smoke():

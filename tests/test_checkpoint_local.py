@@ -3,6 +3,7 @@ cut off mid-write, a flipped byte, the inspect/verify CLI, and guard-rail rollba
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from train_fixtures import tiny_overrides
 from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, list_checkpoints, verify
 from train.config import TrainConfig, load_config
 from train.metrics import read_metrics
+from train.optim import learning_rate
 from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import Trainer
@@ -148,7 +150,7 @@ def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_d
     poisoned_data_step = 5
 
     def hook(module, inputs, output):
-        # next_micro_batches has already advanced the data position past the batch being used.
+        # next_step has already advanced the data position past the batch being used.
         return output * float("nan") if trainer.train_batches.step - 1 == poisoned_data_step else output
 
     trainer.gpt.blocks[0].register_forward_hook(hook)
@@ -164,3 +166,75 @@ def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_d
     assert [r["step"] for r in records] == [0, 1, 2, 3, 5, 4, 5, 6, 7]
     assert records[4]["skipped"] and records[4]["rolled_back_to"] == 4
     assert all(r["loss"] is not None for r in records[5:])
+
+
+def test_rollback_can_lower_the_learning_rate_for_a_while(token_dir: Path, tmp_path: Path) -> None:
+    extra = {
+        "checkpoint.interval_steps": 2,
+        "checkpoint.rollback_after_bad": 1,
+        "checkpoint.rollback_lr_factor": 0.25,
+        "checkpoint.rollback_lr_steps": 2,
+    }
+    config = make_config(token_dir, tmp_path, **extra)
+    trainer = Trainer(config, CPU)
+
+    def hook(module, inputs, output):
+        return output * float("nan") if trainer.train_batches.step - 1 == 5 else output
+
+    trainer.gpt.blocks[0].register_forward_hook(hook)
+    trainer.train()
+    assert trainer.rollbacks[0]["restored_step"] == 4 and trainer.rollbacks[0]["lr_factor_until_step"] == 6
+    records = read_metrics(tmp_path)
+    after = {r["step"]: r["lr"] for r in records[5:]}  # the steps trained again after the rollback
+    schedule = {step: learning_rate(step, STEPS, config.optimizer) for step in after}
+    assert after[4] == 0.25 * schedule[4] and after[5] == 0.25 * schedule[5]  # lowered for 2 steps
+    assert after[6] == schedule[6] and after[7] == schedule[7]  # then the schedule again
+    # The lowered window is training state: a checkpoint saved inside it restores it.
+    assert trainer.state_dict()["progress"]["lr_cooldown_until"] == 6
+
+
+RESUME_IN_FRESH_PROCESS = """
+import json, sys
+import torch
+from safetensors.torch import save_file
+from train.config import config_from_dict
+from train.parallel import DistContext
+from train.trainer import Trainer
+
+torch.set_num_threads(1)
+config = config_from_dict(json.loads(sys.argv[1]))
+trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+trainer.train()
+save_file({k: v.contiguous() for k, v in trainer.gpt.state_dict().items()}, sys.argv[2])
+"""
+
+
+def test_resume_with_dropout_in_a_fresh_process_restores_the_rng_bitwise(
+    token_dir: Path, tmp_path: Path, reference
+) -> None:
+    """Dropout draws from torch's RNG at every step, so only a restored RNG state gives the same masks after
+    a resume; the resumed run is a new interpreter, so nothing survives in memory."""
+    from safetensors.torch import load_file
+
+    dropout = {"model.dropout": 0.2}
+    uninterrupted = Trainer(make_config(token_dir, tmp_path / "ref", **dropout), CPU)
+    uninterrupted.train()
+    expected = weights(uninterrupted)
+    _, no_dropout = reference
+    assert any(not torch.equal(expected[k], v) for k, v in no_dropout.items())  # dropout did change training
+
+    first = Trainer(make_config(token_dir, tmp_path / "run", **dropout), CPU)
+    for _ in range(STEPS // 2 + 1):  # past the checkpoint at step 4, so the RNG has moved on since
+        first.run_step()
+    first.checkpointer.close()
+    config = make_config(token_dir, tmp_path / "run", **dropout, **{"checkpoint.resume": True})
+    out = tmp_path / "resumed.safetensors"
+    subprocess.run(
+        [sys.executable, "-c", RESUME_IN_FRESH_PROCESS, json.dumps(config.to_dict()), str(out)],
+        cwd=REPO, check=True, timeout=300,
+    )  # fmt: skip
+    resumed = load_file(str(out))
+    for key, value in expected.items():
+        assert torch.equal(resumed[key], value), key  # bitwise
+    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
+    assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]

@@ -10,6 +10,8 @@ Runs (8 steps, tiny model, fp32, dropout 0), each started once for the whole mod
   ``max_failures=0`` (the run fails), then ``--resume`` (a new fit on the run dir) finishes it.
 - ``fsdp1``: a copy of ``fsdp_ref``'s run dir resumed by a single FSDP worker: its final checkpoint
   resharded from 2 ranks to 1 (no steps left to train, so the final model is the loaded one).
+- ``ddp_hung``: ``ddp_ref``'s config with ``max_failures=1`` and an 8 s hang timeout; rank 1 stops making
+  progress after step 5 (a ``HangOnce`` step callback); the watchdog fails the worker, Ray restarts the group.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import ray
 import torch
 from ray.train import WorkerGroupError
 from safetensors.torch import load_file
-from step_callbacks import KillOnce, fault_marker
+from step_callbacks import HangOnce, KillOnce, fault_marker
 from train_fixtures import tiny_overrides
 
 from checkpoints.checkpointer import load_into
@@ -67,7 +69,8 @@ def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: obje
 @pytest.fixture(scope="module")
 def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt_runs")
-    out = {name: root / name for name in ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1")}
+    names = ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1", "ddp_hung")
+    out = {name: root / name for name in names}
     keep2 = {"checkpoint.num_to_keep": 2}
     launch(config_for(token_dir, out["fsdp_ref"], "fsdp", 2, **keep2, **{"checkpoint.async_save": True}))
     killed = config_for(token_dir, out["fsdp_killed"], "fsdp", 2, **keep2, **{"checkpoint.max_failures": 1})
@@ -82,6 +85,9 @@ def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
     resume = {"checkpoint.resume": True}
     launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4, **resume), on_step_end=crash)
+
+    hang = {"checkpoint.max_failures": 1, "guard.hang_timeout_s": 8}
+    launch(config_for(token_dir, out["ddp_hung"], "ddp", 2, **every4, **hang), on_step_end=HangOnce(step=5, rank=1))
 
     shutil.copytree(out["fsdp_ref"], out["fsdp1"])
     launch(config_for(token_dir, out["fsdp1"], "fsdp", 1, **{"checkpoint.resume": True}))
@@ -128,6 +134,17 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(runs: dict[str, P
     assert [(r["checkpoint"], r["step"]) for r in info] == [("checkpoint_step_000000004", 4)]
     assert losses(resumed) == losses(runs["ddp_ref"])
     assert_same_weights(resumed, runs["ddp_ref"])
+
+
+def test_a_hung_rank_is_failed_by_the_watchdog_and_the_restart_matches_the_uninterrupted_run(
+    runs: dict[str, Path],
+) -> None:
+    hung = runs["ddp_hung"]
+    assert fault_marker(hung, 5).is_file()  # the hang really happened
+    resumed = final_info(hung)["resumed_from"]
+    assert [(r["checkpoint"], r["step"]) for r in resumed] == [("checkpoint_step_000000004", 4)]
+    assert losses(hung) == losses(runs["ddp_ref"])
+    assert_same_weights(hung, runs["ddp_ref"])
 
 
 def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Path], token_dir: Path) -> None:

@@ -8,22 +8,17 @@ tests add requests, and the model swap comes last.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
-import yaml
+from prometheus_helpers import DASHBOARDS, query, running_prometheus, scalar, wait_for
 from serve_fixtures import running_app, split_documents
-from test_serve_alerts import DASHBOARDS, find_binary
 
 from serve.canary import main as canary_main
 from serve.model_dir import load_model_dir
@@ -33,72 +28,6 @@ pytestmark = pytest.mark.ray
 
 CANARY_INTERVAL = 2.0
 N_REQUESTS = 6
-
-
-@contextlib.contextmanager
-def running_prometheus(sd_dir: Path, workdir: Path) -> Iterator[str]:
-    config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(DASHBOARDS / "alerts.yml")]
-    jobs = []
-    for job in config["scrape_configs"]:
-        if job["job_name"] == "ray":
-            continue  # other Ray clusters on this machine also list themselves in /tmp/ray: not ours to scrape
-        sd = job["file_sd_configs"][0]
-        sd["files"] = [f.replace("/tmp/raylm/prom_sd", str(sd_dir)) for f in sd["files"]]
-        sd["refresh_interval"] = "1s"
-        jobs.append(job)
-    config["scrape_configs"] = jobs
-    config_file = workdir / "prometheus.yml"
-    config_file.write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = (workdir / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            find_binary("prometheus"),
-            f"--config.file={config_file}",
-            f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            assert proc.poll() is None, (workdir / "prometheus.log").read_text()
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def query(prom: str, expr: str) -> list[dict]:
-    body = requests.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10).json()
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 45, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-
-
-def scalar(prom: str, expr: str) -> float | None:
-    result = query(prom, expr)
-    return float(result[0]["value"][1]) if result else None
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +63,7 @@ def stack(tiny_export, evalset, tmp_path_factory):
     }
     with (
         running_app(args, port=port) as base_url,
-        running_prometheus(sd_dir, tmp_path_factory.mktemp("prometheus")) as prom,
+        running_prometheus(sd_dir, tmp_path_factory.mktemp("prometheus"), rule_files=["alerts.yml"]) as prom,
     ):
         yield base_url, prom, args
 

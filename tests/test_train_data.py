@@ -1,20 +1,37 @@
-"""The data position function and loader state, the config loader and the LR schedule (no Ray)."""
+"""The data position function and loader state (read-ahead, shard verification), the config loader and the
+LR schedule (no Ray)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
+from train import shard_verify
 from train.__main__ import main, overrides_from_args, parse_args
 from train.config import ConfigError, config_from_dict, load_config
-from train.data import TrainBatches, ValBatches, global_sample_windows, rank_windows
-from train.manifest import load_manifest
+from train.data import StepBatches, TrainBatches, ValBatches, global_sample_windows, rank_windows
+from train.manifest import DataError, Manifest, load_manifest, sha256_file
 from train.optim import learning_rate
+from train.shard_verify import ShardVerifier
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
 
 NUM_WINDOWS = 103  # prime, so global batches straddle epoch boundaries at odd places
 
@@ -62,10 +79,10 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
     manifest = load_manifest(token_dir)
 
     def loader() -> TrainBatches:
-        return TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, torch.device("cpu"))
+        return TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
 
     first = loader()
-    batches = [first.next_micro_batches() for _ in range(3)]
+    batches = [first.next_step().micro_batches for _ in range(3)]
     # Targets are the inputs shifted by one token, read from the memmapped shard.
     raw = np.fromfile(manifest.split("train")[0].path, dtype="<u2")
     window = int(first.window_ids(0)[0, 0])
@@ -75,7 +92,7 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
 
     resumed = loader()
     resumed.load_state_dict({"step": 2, "seed": 1337, "world_size": 1})
-    again = resumed.next_micro_batches()
+    again = resumed.next_step().micro_batches
     assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(again, batches[2], strict=True))
     with pytest.raises(ValueError, match="seed"):
         loader().load_state_dict({"step": 2, "seed": 1, "world_size": 1})
@@ -83,9 +100,366 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
 
 def test_val_batches_split_evenly_across_ranks(token_dir: Path) -> None:
     manifest = load_manifest(token_dir)
-    per_rank = [ValBatches(manifest, 32, 4, 9, r, 2, torch.device("cpu")) for r in range(2)]
+    per_rank = [ValBatches(manifest, 32, 4, 9, r, 2, CPU) for r in range(2)]
     counts = [sum(b.inputs.shape[0] for b in v) for v in per_rank]
     assert counts == [4, 4]  # 9 requested, trimmed to a multiple of the world size
+
+
+# ---------------------------------------------------------------- read-ahead
+def same_batches(a: StepBatches, b: StepBatches) -> bool:
+    return len(a.micro_batches) == len(b.micro_batches) and all(
+        torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
+        for x, y in zip(a.micro_batches, b.micro_batches, strict=True)
+    )
+
+
+def record_reading_threads(loader: TrainBatches) -> list[str]:
+    """Names of the threads that call the loader's window reads, in order (wraps the instance's read)."""
+    names: list[str] = []
+    read = loader.windows.read
+
+    def recording(window: int, dtype: np.dtype) -> np.ndarray:
+        names.append(threading.current_thread().name)
+        return read(window, dtype)
+
+    loader.windows.read = recording  # type: ignore[method-assign]
+    return names
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_prefetch_serves_bitwise_the_same_batches_through_position_jumps(token_dir: Path, prefetch: int) -> None:
+    """Read-ahead is keyed by step: assigning ``step`` (the trainer's rollback) backwards and forwards, or
+    ``load_state_dict`` (resume), mid-stream serves exactly what a synchronous loader serves there."""
+    manifest = load_manifest(token_dir)
+    sync = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU)
+    ahead = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU, prefetch_steps=prefetch)
+    threads = record_reading_threads(ahead)
+    # (how to move the position first, steps to read from there)
+    plan: list[tuple[dict[str, Any] | int | None, int]] = [
+        (None, 5), (2, 4), (40, 3), (39, 2), ({"step": 7, "seed": 1337, "world_size": 2}, 3), (8, 1), (0, 2),
+    ]  # fmt: skip
+    served = 0
+    for move, count in plan:
+        for loader in (sync, ahead):
+            if isinstance(move, dict):
+                loader.load_state_dict(move)
+            elif move is not None:
+                loader.step = move
+        for _ in range(count):
+            step = sync.step
+            expected, got = sync.next_step(), ahead.next_step()
+            assert ahead.step == sync.step == step + 1
+            assert same_batches(expected, got), f"step {step} differs with prefetch_steps={prefetch}"
+            assert len(got.micro_batches) == 3 and got.micro_batches[0].inputs.shape == (2, 16)
+            assert got.wait_s >= 0 and expected.wait_s >= 0
+            served += 1
+    # Every window was read on the read-ahead thread, none on the training thread.
+    assert threads and set(threads) == {"train-prefetch-0"}
+    ahead.close()
+    # A fresh loader placed at each step agrees too: the batches are a pure function of the step.
+    fresh = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU, prefetch_steps=prefetch)
+    fresh.step = 39
+    sync.step = 39
+    assert same_batches(sync.next_step(), fresh.next_step())
+    fresh.close()
+
+
+def test_prefetch_keeps_reading_ahead_while_the_caller_computes(token_dir: Path) -> None:
+    """With reads slower than nothing, a loader k steps ahead serves the next step without waiting for it."""
+    manifest = load_manifest(token_dir)
+    loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
+    read = loader.windows.read
+
+    def slow_read(window: int, dtype: np.dtype) -> np.ndarray:
+        time.sleep(0.01)  # 4 reads a step: 40 ms a step
+        return read(window, dtype)
+
+    loader.windows.read = slow_read  # type: ignore[method-assign]
+    first = loader.next_step()
+    assert first.wait_s >= 0.03  # nothing was read ahead yet
+    time.sleep(0.3)  # "compute": long enough for the next two steps to be read
+    second, third = loader.next_step(), loader.next_step()
+    assert second.wait_s < 0.025 and third.wait_s < 0.025, (second.wait_s, third.wait_s)
+    loader.close()
+
+
+class ReadFailure(OSError):
+    pass
+
+
+def test_background_read_error_surfaces_unchanged_and_keeps_the_position(token_dir: Path) -> None:
+    manifest = load_manifest(token_dir)
+    loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
+    read_step = loader.read_step
+    failing = {"on": True}
+
+    def flaky_read_step(step: int) -> list[torch.Tensor]:
+        if failing["on"] and step >= 1:  # steps read ahead, on the read-ahead thread
+            raise ReadFailure(f"I/O error reading step {step}")
+        return read_step(step)
+
+    loader.read_step = flaky_read_step  # type: ignore[method-assign]
+    loader.next_step()
+    with pytest.raises(ReadFailure, match=r"^I/O error reading step 1$") as raised:
+        loader.next_step()
+    assert raised.type is ReadFailure
+    assert loader.step == 1  # the step that failed is served again next time
+    failing["on"] = False
+    expected = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
+    expected.step = 1
+    assert same_batches(loader.next_step(), expected.next_step())
+    loader.close()
+
+
+def test_close_is_idempotent_stops_the_thread_and_the_loader_still_works(token_dir: Path) -> None:
+    manifest = load_manifest(token_dir)
+    loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
+    loader.next_step()
+    pool = loader._pool
+    assert pool is not None
+    loader.close()
+    loader.close()
+    for thread in pool._threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    threads = record_reading_threads(loader)
+    expected = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
+    expected.step = 1
+    assert same_batches(loader.next_step(), expected.next_step())
+    assert threads and set(threads) == {threading.current_thread().name}  # read on the caller's thread now
+
+    # A loader nobody closed stops its thread once it is garbage.
+    forgotten = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
+    forgotten.next_step()
+    pool = forgotten._pool
+    assert pool is not None
+    for future in list(forgotten._ahead.values()):
+        future.result()  # queued reads hold the loader
+    del forgotten, future
+    gc.collect()
+    for thread in pool._threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_background_work_never_holds_up_interpreter_exit(token_dir: Path) -> None:
+    """A process that ends without close() while reads and hashing are still under way exits at once: the
+    read-ahead and hashing threads are daemons (a ThreadPoolExecutor would finish its queue first)."""
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+import torch
+from train import shard_verify
+from train.data import TrainBatches
+from train.manifest import load_manifest
+from train.shard_verify import ShardVerifier
+
+manifest = load_manifest({str(token_dir)!r})
+loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, torch.device("cpu"), prefetch_steps=3)
+read_step = loader.read_step
+loader.read_step = lambda step: (time.sleep(120) if step >= 1 else None) or read_step(step)
+loader.next_step()  # the read-ahead of steps 1-3 now sleeps
+shard_verify.sha256_file = lambda path: time.sleep(120)
+verifier = ShardVerifier(manifest.shards, None)  # hashing every shard now sleeps
+time.sleep(0.5)
+print("leaving", flush=True)
+"""
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0 and "leaving" in proc.stdout, proc.stderr[-3000:]
+    assert time.perf_counter() - started < 60
+
+
+# ---------------------------------------------------------------- shard verification
+def copy_data(token_dir: Path, dest: Path) -> Path:
+    return Path(shutil.copytree(token_dir, dest))
+
+
+def flip_byte(path: Path, offset: int = 1001) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def rewrite_manifest(data_dir: Path, edit: Any) -> None:
+    path = data_dir / "manifest.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def two_equal_train_shards(data_dir: Path) -> list[Path]:
+    """Split the train shard into two shards of equal size (manifest entries with their own sha256)."""
+    manifest = load_manifest(data_dir)
+    (train,) = manifest.split("train")
+    tokens = np.fromfile(train.path, dtype="<u2")
+    half = len(tokens) // 2
+    paths = [data_dir / "tokens" / "train-a.bin", data_dir / "tokens" / "train-b.bin"]
+    tokens[:half].tofile(paths[0])
+    tokens[half : 2 * half].tofile(paths[1])
+    train.path.unlink()
+
+    def edit(raw: dict[str, Any]) -> None:
+        val = [s for s in raw["shards"] if s["split"] == "val"]
+        raw["shards"] = [
+            {"path": f"tokens/{p.name}", "split": "train", "tokens": half, "docs": 1, "sha256": sha256_file(p)}
+            for p in paths
+        ] + val
+
+    rewrite_manifest(data_dir, edit)
+    return paths
+
+
+def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths the verifier hashes (it calls train.manifest.sha256_file through its module's name)."""
+    hashed: list[str] = []
+
+    def counting(path: str | Path) -> str:
+        hashed.append(str(path))
+        return sha256_file(path)
+
+    monkeypatch.setattr(shard_verify, "sha256_file", counting)
+    return hashed
+
+
+def loaders(manifest: Manifest, verifier: ShardVerifier, prefetch: int) -> tuple[TrainBatches, ValBatches]:
+    train = TrainBatches(manifest, 32, 2, 2, 0, 1, 1337, CPU, prefetch_steps=prefetch, verifier=verifier)
+    return train, ValBatches(manifest, 32, 4, 8, 0, 1, CPU, verifier=verifier)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_flipped_byte_stops_the_first_step_that_reads_the_shard(token_dir: Path, tmp_path: Path, prefetch: int) -> None:
+    data = copy_data(token_dir, tmp_path / "data")
+    manifest = load_manifest(data)  # sizes unchanged: the manifest check alone lets it through
+    (train,) = manifest.split("train")
+    (val,) = manifest.split("val")
+    flip_byte(train.path)
+    flip_byte(val.path, offset=11)
+    verifier = ShardVerifier(manifest.shards, tmp_path / "run" / ".verified_shards.json")
+    train_batches, val_batches = loaders(manifest, verifier, prefetch)
+    expected = (
+        rf"^shard {re.escape(str(train.path))} does not match the manifest: manifest sha256 {train.sha256}, "
+        rf"actual sha256 {sha256_file(train.path)} "
+    )
+    with pytest.raises(DataError, match=expected):
+        train_batches.next_step()
+    assert train_batches.step == 0
+    with pytest.raises(DataError, match=rf"shard {re.escape(str(val.path))} .* actual sha256 {sha256_file(val.path)}"):
+        list(val_batches)
+    train_batches.close()
+    verifier.close()
+    # Nothing unverified goes into the cache: a rerun checks these shards again.
+    cache = tmp_path / "run" / ".verified_shards.json"
+    assert not cache.exists() or str(train.path) not in json.loads(cache.read_text())
+
+
+def test_swapped_shards_of_equal_size_are_refused(token_dir: Path, tmp_path: Path) -> None:
+    data = copy_data(token_dir, tmp_path / "data")
+    a, b = two_equal_train_shards(data)
+    assert load_manifest(data).split("train")[0].sha256 == sha256_file(a)
+    tmp = a.with_suffix(".tmp")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+    manifest = load_manifest(data)  # same sizes: the manifest check alone accepts the swap
+    verifier = ShardVerifier(manifest.shards, None)
+    train_batches, _ = loaders(manifest, verifier, prefetch=2)
+    swapped = r"shard .*train-[ab]\.bin does not match the manifest: manifest sha256 [0-9a-f]{64}, actual sha256"
+    with pytest.raises(DataError, match=swapped):
+        train_batches.next_step()
+    with pytest.raises(DataError, match=rf"shard {re.escape(str(a))} does not match"):
+        verifier.ensure_all()
+    train_batches.close()
+    verifier.close()
+
+
+def test_intact_shards_pass_and_the_cache_spares_a_restart_the_hashing(
+    token_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = copy_data(token_dir, tmp_path / "data")
+    two_equal_train_shards(data)
+    manifest = load_manifest(data)
+    cache = tmp_path / "run" / ".verified_shards.json"
+    hashed = count_hashing(monkeypatch)
+
+    verifier = ShardVerifier(manifest.shards, cache)
+    ensured_on: list[str] = []
+    ensure = verifier.ensure
+
+    def recording(shard: Any) -> None:
+        ensured_on.append(threading.current_thread().name)
+        ensure(shard)
+
+    verifier.ensure = recording  # type: ignore[method-assign]
+    train_batches, val_batches = loaders(manifest, verifier, prefetch=2)
+    unverified = TrainBatches(manifest, 32, 2, 2, 0, 1, 1337, CPU)
+    for _ in range(3):
+        assert same_batches(train_batches.next_step(), unverified.next_step())
+    assert sum(b.inputs.shape[0] for b in val_batches) == 8
+    verifier.ensure_all()
+    verifier.close()
+    train_batches.close()
+    # The train shards were checked from the read-ahead thread, never on the training thread.
+    assert "train-prefetch-0" in ensured_on
+    assert set(ensured_on) - {"train-prefetch-0"} <= {threading.current_thread().name}
+    assert ensured_on.count(threading.current_thread().name) <= 1 + len(manifest.shards)  # val read + ensure_all
+    assert sorted(hashed) == sorted(str(s.path) for s in manifest.shards)  # each shard hashed exactly once
+    assert verifier.hashed == 3 and verifier.from_cache == 0
+
+    entries = json.loads(cache.read_text())
+    assert set(entries) == {str(s.path) for s in manifest.shards}
+    for shard in manifest.shards:
+        stat = shard.path.stat()
+        assert entries[str(shard.path)] == {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": shard.sha256}
+    assert not list(cache.parent.glob("*.tmp"))
+
+    # A restarted worker: nothing is hashed again.
+    hashed.clear()
+    restarted = ShardVerifier(manifest.shards, cache)
+    restarted.ensure_all()
+    train_batches, _ = loaders(manifest, restarted, prefetch=0)
+    train_batches.next_step()
+    restarted.close()
+    assert hashed == [] and restarted.from_cache == 3 and restarted.hashed == 0
+
+    # A shard touched since (new mtime) is hashed again; a cache entry vouching for another hash is not trusted.
+    touched = manifest.split("train")[0]
+    os.utime(touched.path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    entries = json.loads(cache.read_text())
+    val = str(manifest.split("val")[0].path)
+    entries[val]["sha256"] = "0" * 64
+    cache.write_text(json.dumps(entries))
+    again = ShardVerifier(manifest.shards, cache)
+    again.ensure_all()
+    again.close()
+    assert sorted(hashed) == sorted([str(touched.path), val])
+    assert json.loads(cache.read_text())[val]["sha256"] == manifest.split("val")[0].sha256
+
+
+def test_shards_without_a_manifest_sha256_are_read_with_one_warning(
+    token_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = copy_data(token_dir, tmp_path / "data")
+
+    def drop_hashes(raw: dict[str, Any]) -> None:
+        for shard in raw["shards"]:
+            del shard["sha256"]
+
+    rewrite_manifest(data, drop_hashes)
+    manifest = load_manifest(data)
+    assert all(s.sha256 is None for s in manifest.shards)
+    hashed = count_hashing(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="train.shard_verify"):
+        verifier = ShardVerifier(manifest.shards, tmp_path / "cache.json")
+        train_batches, val_batches = loaders(manifest, verifier, prefetch=1)
+        train_batches.next_step()
+        list(val_batches)
+        verifier.ensure_all()
+    warnings = [r for r in caplog.records if r.name == "train.shard_verify"]
+    assert len(warnings) == 1 and "2 shard(s) have no sha256" in warnings[0].getMessage()
+    assert hashed == []
+    train_batches.close()
+    verifier.close()
 
 
 def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:

@@ -104,11 +104,24 @@ def test_grad_norm_spike_is_flagged_against_running_median() -> None:
     config = load_config(None, {"guard.min_history": 3, "guard.spike_factor": 5.0}).guard
     guard = GuardRail(config)
     loss = torch.tensor(1.0)
-    assert all(guard.check(CPU, loss, norm).ok for norm in (1.0, 1.2, 0.9, 1.1))
-    verdict = guard.check(CPU, loss, 50.0)
-    assert not verdict.ok and "spike" in verdict.reasons[0]
-    assert guard.check(CPU, loss, 4.0).ok  # below 5 × median: fine, and the spike did not raise the median
-    assert not guard.check(CPU, loss, float("inf")).ok
+    assert all(guard.check(CPU, loss, norm, 1.0).ok for norm in (1.0, 1.2, 0.9, 1.1))
+    verdict = guard.check(CPU, loss, 50.0, 1.0)
+    assert not verdict.ok and "grad norm spike" in verdict.reasons[0]
+    assert guard.check(CPU, loss, 4.0, 1.0).ok  # below 5 × median: fine, and the spike did not raise the median
+    assert not guard.check(CPU, loss, float("inf"), 1.0).ok
+
+
+def test_loss_spike_is_flagged_against_running_median_of_accepted_losses() -> None:
+    config = load_config(None, {"guard.min_history": 3, "guard.loss_spike_factor": 1.5}).guard
+    guard = GuardRail(config)
+    loss = torch.tensor(4.0)
+    assert all(guard.check(CPU, loss, 1.0, value).ok for value in (4.0, 3.8, 4.1))  # history: 3.8, 4.0, 4.1
+    verdict = guard.check(CPU, loss, 1.0, 6.5)  # > 1.5 × 4.0
+    assert not verdict.ok and verdict.reasons == ["loss spike (6.5 > 1.5× median 4.0)"]
+    assert guard.check(CPU, loss, 1.0, 5.9).ok  # below 1.5 × median; the spike was not added to the history
+    assert list(guard.loss_history) == [4.0, 3.8, 4.1, 5.9]
+    off = GuardRail(load_config(None, {"guard.min_history": 3, "guard.loss_spike_factor": 0}).guard)
+    assert all(off.check(CPU, loss, 1.0, value).ok for value in (4.0, 3.8, 4.1, 100.0))
 
 
 def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) -> None:

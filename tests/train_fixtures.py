@@ -91,6 +91,8 @@ def tiny_overrides(data_dir: Path, output_dir: Path, **extra: Any) -> dict[str, 
         "optimizer.lr": 3e-3,
         "optimizer.warmup_steps": 5,
         "steps": 20,
+        # No scrape endpoint per test trainer (tests/test_train_telemetry.py turns it on).
+        "metrics.prometheus": False,
     }
     base.update(extra)
     return base

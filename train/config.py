@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from checkpoints.config import CheckpointConfig
+from cluster.scrape_targets import DEFAULT_SD_DIR
 from train.model import GPTConfig
 from train.overrides import ConfigError, build, load
 
@@ -52,6 +53,12 @@ class DataConfig(_Section):
     seed: int = 1337  # drives both the data order and the model init
     eval_interval: int = Field(50, ge=0)  # steps between validation passes (0: only at the end)
     eval_sequences: int = Field(64, ge=0)  # validation sequences per pass, split across ranks
+    # Steps whose batches a background thread reads ahead (0: read on the training thread). The batches of
+    # a step are a pure function of (seed, step, rank, world size), so read-ahead never changes them.
+    prefetch_steps: int = Field(2, ge=0)
+    # Check each shard's sha256 against the manifest before its first read (in background threads, cached
+    # per run dir), so a corrupted or swapped shard stops the run with its name instead of training on it.
+    verify_shards: bool = True
 
 
 class OptimizerConfig(_Section):
@@ -73,6 +80,9 @@ class ParallelConfig(_Section):
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
     compile: bool = False
+    # Timeout of every collective (Ray Train's TorchConfig.timeout_s, the process group's timeout): a rank
+    # that never joins a collective fails its peers after this long instead of holding them forever.
+    collective_timeout_s: int = Field(1800, ge=1)
 
 
 class MetricsConfig(_Section):
@@ -85,6 +95,19 @@ class MetricsConfig(_Section):
     peak_flops_per_device: float | None = None
     wandb: bool = False
     wandb_project: str = "raylm"
+    # Live telemetry: every rank serves its step metrics for Prometheus (OpenTelemetry -> a per-rank scrape
+    # endpoint, found through file_sd in sd_dir), labelled with run id and rank. See train/telemetry.py.
+    prometheus: bool = True
+    prometheus_host: str = "127.0.0.1"  # bind address of the scrape endpoints; 0.0.0.0 on a multi-node cluster
+    sd_dir: str | None = str(DEFAULT_SD_DIR)  # None: no file_sd target (scrape the port yourself)
+    run_id: str = ""  # the runs' label in Prometheus; "" means the output dir's name
+    # A live progress line from rank 0 (step/total, loss, tokens/s, ETA) in place of Ray Train's own
+    # per-report log lines, which ray_train_logs brings back.
+    progress: bool = True
+    ray_train_logs: bool = False
+    # Per step, a tiny all-reduce before the gradient synchronisation times how long each rank waits for
+    # the others (sync_wait_s): what the straggler alert compares. Costs one device sync per step on GPU.
+    straggler_probe: bool = True
 
 
 class GuardConfig(_Section):
@@ -92,6 +115,13 @@ class GuardConfig(_Section):
     window: int = Field(50, ge=1)  # how many accepted grad norms the running median looks at
     min_history: int = Field(10, ge=0)  # no spike verdicts until this many norms are known
     max_consecutive_bad: int = Field(5, ge=1)  # stop training after this many skipped steps in a row
+    # The global loss above factor × the running median of recent accepted losses is a spike (0: off).
+    loss_spike_factor: float = Field(2.0, ge=0)
+    # Watchdog: a worker where no step completes for this long (a rank stuck in a collective, a data read,
+    # a hung device) dumps every thread's stack to the log and exits, so Ray Train's FailureConfig restarts
+    # the group from the last checkpoint (0: off). Generous by default: it must exceed the slowest
+    # legitimate gap (first step with compilation, evaluation, a synchronous checkpoint save).
+    hang_timeout_s: float = Field(1800.0, ge=0)
     sync_check_interval: int = Field(0, ge=0)  # steps between replica-consistency checks (0: only at the end)
 
 

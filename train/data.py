@@ -13,12 +13,22 @@ batch fixed, ``single`` with accum 2k consumes exactly the sequences ``ddp``-2 w
 
 No Ray Data here on purpose: its streaming split does not promise an order, and reproducible,
 resumable training needs one.
+
+Read-ahead: with ``prefetch_steps = k > 0`` a background thread reads the token tensors of the next k steps
+while the current one computes (into pinned memory on CUDA; the training thread issues the non-blocking
+device copy). Reads are keyed by step number, so read-ahead cannot change what a step gets: when the
+position jumps (a rollback or resume assigns ``step``), reads for other steps are dropped and the right one
+is read. ``StepBatches.wait_s`` is what the training thread still waited. With a ``ShardVerifier``, each
+shard's sha256 is checked against the manifest before its first read (``train.shard_verify``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +36,19 @@ import numpy as np
 import torch
 
 from train.manifest import Manifest, Shard
+from train.shard_verify import DaemonPool, ShardVerifier
+
+CLOSE_JOIN_S = 10.0  # close() waits at most this long for the read under way (it may wait on a shard's hashing)
 
 
 class WindowIndex:
-    """Numbering of the non-overlapping windows of a list of shards."""
+    """Numbering of the non-overlapping windows of a list of shards. With a verifier, a shard is verified
+    (``ShardVerifier.ensure``) before its first read, on whichever thread reads it."""
 
-    def __init__(self, shards: Sequence[Shard], block_size: int) -> None:
+    def __init__(self, shards: Sequence[Shard], block_size: int, verifier: ShardVerifier | None = None) -> None:
         self.shards = list(shards)
         self.block_size = block_size
+        self.verifier = verifier
         counts = [max(0, (s.tokens - 1) // block_size) for s in self.shards]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._maps: dict[int, np.memmap] = {}
@@ -49,10 +64,13 @@ class WindowIndex:
 
     def read(self, window: int, dtype: np.dtype) -> np.ndarray:
         shard, offset = self.locate(window)
-        if shard not in self._maps:
+        tokens = self._maps.get(shard)
+        if tokens is None:
+            if self.verifier is not None:
+                self.verifier.ensure(self.shards[shard])
             # Opened lazily and kept: a memmap costs no memory until pages are touched.
-            self._maps[shard] = np.memmap(self.shards[shard].path, dtype=dtype, mode="r")
-        return np.asarray(self._maps[shard][offset : offset + self.block_size + 1], dtype=np.int64)
+            tokens = self._maps[shard] = np.memmap(self.shards[shard].path, dtype=dtype, mode="r")
+        return np.asarray(tokens[offset : offset + self.block_size + 1], dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=2)
@@ -87,8 +105,21 @@ class Batch:
     targets: torch.Tensor  # (M, T)
 
 
+@dataclass
+class StepBatches:
+    micro_batches: list[Batch]  # grad_accum of them
+    wait_s: float  # how long the calling thread blocked in next_step() for this step's data
+
+
 class TrainBatches:
-    """The rank's view of the train split. Its only state is the step it will serve next."""
+    """The rank's view of the train split. Its only state is the step it will serve next (``step``, which the
+    trainer may also assign: rollback, resume).
+
+    ``prefetch_steps``: how many steps ahead a background (daemon) thread reads; 0 reads on the calling
+    thread. ``verifier``: checks each train shard before its first read (see ``train.shard_verify``); the
+    caller owns it (one verifier serves ``TrainBatches`` and ``ValBatches``) and closes it. ``close()`` stops
+    the read-ahead; later steps are read on the calling thread.
+    """
 
     def __init__(
         self,
@@ -100,8 +131,13 @@ class TrainBatches:
         world_size: int,
         seed: int,
         device: torch.device,
+        *,
+        prefetch_steps: int = 0,
+        verifier: ShardVerifier | None = None,
     ) -> None:
-        self.windows = WindowIndex(manifest.split("train"), block_size)
+        if prefetch_steps < 0:
+            raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
+        self.windows = WindowIndex(manifest.split("train"), block_size, verifier)
         if len(self.windows) == 0:
             raise ValueError(f"no train shard holds block_size + 1 = {block_size + 1} tokens")
         self.dtype = manifest.dtype
@@ -112,6 +148,17 @@ class TrainBatches:
         self.seed = seed
         self.device = device
         self.step = 0
+        self.prefetch_steps = prefetch_steps
+        # Pinned host memory makes the host-to-device copy asynchronous; pinning costs a copy, so CUDA only.
+        self._pin = device.type == "cuda"
+        self._ahead: dict[int, Future[list[torch.Tensor]]] = {}
+        self._pool: DaemonPool | None = None
+        if prefetch_steps > 0:
+            self._pool = DaemonPool(1, "train-prefetch")
+            # An unclosed loader that became garbage must not leave its thread behind. Not at exit: waking a
+            # thread that ran torch code while the interpreter finalizes can abort the process (std::terminate).
+            self._close_pool = weakref.finalize(self, self._pool.close)
+            self._close_pool.atexit = False
 
     def window_ids(self, step: int) -> np.ndarray:
         return rank_windows(
@@ -130,14 +177,68 @@ class TrainBatches:
             "rank_windows": self.window_ids(step).reshape(-1).tolist(),
         }
 
-    def next_micro_batches(self) -> list[Batch]:
-        """The grad_accum micro-batches of the current step; advances the position by one step."""
+    def read_step(self, step: int) -> list[torch.Tensor]:
+        """The CPU tokens of ``step``: grad_accum tensors of (micro_batch_size, block_size + 1) int64."""
+        return [
+            torch.from_numpy(np.stack([self.windows.read(int(w), self.dtype) for w in row]))
+            for row in self.window_ids(step)
+        ]
+
+    def next_step(self) -> StepBatches:
+        """The grad_accum micro-batches of the current step, on the device; advances the position by one
+        step. An error of a background read (I/O, a shard failing verification) is raised here, unchanged,
+        and leaves the position where it was."""
+        started = time.perf_counter()
+        step = self.step
+        rows = self._read_ahead(step) if self._pool is not None else self.read_step(step)
         batches = []
-        for row in self.window_ids(self.step):
-            tokens = torch.from_numpy(np.stack([self.windows.read(int(w), self.dtype) for w in row]))
-            batches.append(Batch(tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)))
-        self.step += 1
-        return batches
+        for row in rows:
+            # One copy per row, sliced on the device: a slice of pinned memory is not contiguous, and copying
+            # it would go through an unpinned (synchronous) staging buffer. On CPU, .to() returns the row.
+            tokens = row.to(self.device, non_blocking=True)
+            batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
+        self.step = step + 1
+        return StepBatches(batches, time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread, dropping reads it has not started. Idempotent; the loader keeps
+        working, reading on the calling thread."""
+        if self._pool is None:
+            return
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
+        # Waits for the one read under way: a thread that ran torch code should be gone before the process
+        # exits, not ending while the interpreter finalizes (that can abort the process).
+        self._pool.close(join_s=CLOSE_JOIN_S)
+        self._close_pool.detach()
+        self._pool = None
+
+    def __enter__(self) -> TrainBatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_ahead(self, step: int) -> list[torch.Tensor]:
+        assert self._pool is not None
+        horizon = range(step, step + self.prefetch_steps + 1)
+        # Reads for steps this position will not serve next (the position jumped) are dropped: cancelled if
+        # not started, their result ignored otherwise.
+        for other in [s for s in self._ahead if s not in horizon]:
+            self._ahead.pop(other).cancel()
+        future = self._ahead.pop(step, None)
+        if future is None:
+            future = self._pool.submit(self._background_read, step)
+        # Queued behind this step's own read: one worker, first in first out.
+        for ahead in horizon[1:]:
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self._pool.submit(self._background_read, ahead)
+        return future.result()
+
+    def _background_read(self, step: int) -> list[torch.Tensor]:
+        rows = self.read_step(step)
+        return [row.pin_memory() for row in rows] if self._pin else rows
 
     # Stateful: the position is the step (the order itself is recomputed from the seed). The world size
     # is recorded so a resume on a different world size can be recognised; the global sample index
@@ -152,7 +253,11 @@ class TrainBatches:
 
 
 class ValBatches:
-    """A fixed set of validation windows (evenly spaced through the val split), split across ranks."""
+    """A fixed set of validation windows (evenly spaced through the val split), split across ranks.
+
+    ``verifier``: checks each val shard before its first read; pass the one ``TrainBatches`` uses, built over
+    all the manifest's shards, so val shards are hashed in the background long before the first evaluation
+    (a shard the verifier was not built with is hashed on first use instead)."""
 
     def __init__(
         self,
@@ -163,8 +268,10 @@ class ValBatches:
         rank: int,
         world_size: int,
         device: torch.device,
+        *,
+        verifier: ShardVerifier | None = None,
     ) -> None:
-        self.windows = WindowIndex(manifest.split("val"), block_size)
+        self.windows = WindowIndex(manifest.split("val"), block_size, verifier)
         self.dtype = manifest.dtype
         self.device = device
         total = len(self.windows)
@@ -179,7 +286,7 @@ class ValBatches:
     def __bool__(self) -> bool:
         return self.total_sequences > 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         for row in self._rows:
             tokens = torch.from_numpy(np.stack([self.windows.read(int(w), self.dtype) for w in row]))
             yield Batch(tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device))

@@ -60,11 +60,14 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
         }
         (final / FINAL_INFO).write_text(json.dumps(info, indent=2))
         plot_loss_curves(config.output_dir)
-    trainer.metrics.close()
     return info
 
 
 def train_to_completion(trainer: Trainer) -> dict[str, Any] | None:
-    """``trainer.train()`` then ``write_final``: a whole run, in process or on a Ray Train worker."""
-    trainer.train()
-    return write_final(trainer)
+    """``trainer.train()`` then ``write_final``, then ``trainer.close()``: a whole run, in process or on a
+    Ray Train worker."""
+    try:
+        trainer.train()
+        return write_final(trainer)
+    finally:
+        trainer.close()

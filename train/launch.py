@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -10,13 +11,14 @@ from typing import Any
 import ray
 import yaml
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from train.config import TrainConfig
 from train.curves import summarize
 from train.guard import TrainingDiverged
 from train.parallel import ReplicaMismatch
 from train.preflight import check_checkpoints, check_data, check_extras, check_resources
+from train.progress import RunProgress
 from train.trainer import StepCallback
 from train.worker import CALLBACK_KEY, CONFIG_KEY, train_loop_per_worker
 
@@ -60,6 +62,8 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={CONFIG_KEY: config.to_dict(), CALLBACK_KEY: on_step_end},
+        # Every collective's timeout: a rank that never joins one fails its peers after this long.
+        torch_config=TorchConfig(timeout_s=p.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
         # The run dir is Ray Train's run dir (storage_path/name), so its checkpoints land next to
         # metrics.jsonl.
@@ -70,8 +74,10 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
         ),
     )
+    progress = RunProgress(output, config.steps) if config.metrics.progress else contextlib.nullcontext()
     try:
-        trainer.fit()
+        with progress:
+            trainer.fit()
     except WorkerGroupError as exc:
         # Surface our own stop reasons as themselves (the CLI prints them plainly); anything else
         # keeps Ray's report with every worker's traceback.

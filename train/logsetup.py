@@ -34,12 +34,16 @@ def _handler() -> logging.Handler:
     return handler
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    """Log our packages' records at ``level`` and above to stderr (idempotent: once per process)."""
+def setup_logging(level: int = logging.INFO, propagate: bool = True) -> None:
+    """Log our packages' records at ``level`` and above to stderr (idempotent: once per process).
+
+    ``propagate=False`` where the root logger already writes to the same stream: Ray worker processes
+    install a root handler, and every record would reach the driver twice."""
     handler = None
     for name in PACKAGES:
         logger = logging.getLogger(name)
         logger.setLevel(level)
+        logger.propagate = propagate
         if not any(getattr(h, _MARK, False) for h in logger.handlers):
             handler = handler or _handler()  # one handler object shared by the packages
             logger.addHandler(handler)

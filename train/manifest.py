@@ -25,6 +25,7 @@ class Shard:
     path: Path  # absolute
     split: str
     tokens: int
+    sha256: str | None = None  # of the shard file; None in manifests written before the pipeline recorded it
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ def load_manifest(data_dir: str | Path) -> Manifest:
         raise DataError(f"{path}: vocab_size {vocab_size} does not fit in dtype {dtype_name}")
     shards = []
     for entry in shard_entries:
-        shard = Shard(path=root / entry["path"], split=entry["split"], tokens=int(entry["tokens"]))
+        shard = Shard(
+            path=root / entry["path"], split=entry["split"], tokens=int(entry["tokens"]), sha256=entry.get("sha256")
+        )
         if not shard.path.is_file():
             raise DataError(f"{path}: shard {entry['path']} is listed but missing")
         expected = shard.tokens * dtype.itemsize

@@ -7,9 +7,14 @@ restores them. It composes a ``checkpoints.Checkpointer`` (periodic/best/final s
 rollback in ``on_bad_step``).
 
 A step-end callback (``on_step_end``, given a ``StepInfo``) is the seam for everything outside the
-loop's own job: the tests inject faults (a worker that SIGKILLs itself) and read each rank's shards
-through it. The end of a run (full model, probe, final.json) is ``train.final``; what Ray Train runs on
-each worker is ``train.worker``.
+loop's own job: the tests inject faults (a worker that SIGKILLs itself or hangs) and read each rank's
+shards through it. The end of a run (full model, probe, final.json) is ``train.final``; what Ray Train
+runs on each worker is ``train.worker``.
+
+For runs left alone for days, the trainer also composes: a prefetching, sha256-verifying data loader
+(``train.data``, ``train.shard_verify``), live telemetry per rank (``train.telemetry``: OpenTelemetry ->
+Prometheus), and a step-progress watchdog (``train.watchdog``) that fails a hung worker so Ray Train
+restarts the group from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,8 +56,12 @@ from train.parallel import (
     local_digest,
     scale_grads,
 )
+from train.shard_verify import ShardVerifier
+from train.watchdog import StepWatchdog, exit_worker
 
 log = logging.getLogger(__name__)
+
+VERIFIED_SHARDS_CACHE = ".verified_shards.json"  # in the run dir: shards already hashed by this run
 
 
 @dataclass(frozen=True)
@@ -87,13 +97,18 @@ class Trainer(Stateful):
         reporter: Callable[[dict[str, Any]], None] | None = None,
         ray_storage: bool = False,
         on_step_end: StepCallback | None = None,
+        on_hang: Callable[[str], None] | None = None,
     ) -> None:
         """``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage (inside a
         Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs).
-        ``on_step_end``: called on every rank after each step's logging."""
+        ``on_step_end``: called on every rank after each step's logging.
+        ``on_hang``: what the watchdog does after logging a hang; default: exit the worker process inside
+        Ray Train (so it restarts the group), only the log in-process (exiting would kill the caller)."""
         self.config = config
         self.ctx = ctx
         self.on_step_end = on_step_end
+        self.on_hang = on_hang if on_hang is not None else (exit_worker if ray_storage else None)
+        self.watchdog: StepWatchdog | None = None  # armed by train()
         self.manifest = load_manifest(config.data_dir)
         cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
 
@@ -114,13 +129,19 @@ class Trainer(Stateful):
         self.optimizer = build_optimizer(self.gpt, config.optimizer)
 
         self.grad_accum = config.grad_accum_steps
+        self.verifier = (
+            ShardVerifier(self.manifest.shards, Path(config.output_dir) / VERIFIED_SHARDS_CACHE)
+            if cfg_data.verify_shards
+            else None
+        )
         self.train_batches = TrainBatches(
             self.manifest, cfg_model.block_size, cfg_data.micro_batch_size, self.grad_accum,
             ctx.rank, ctx.world_size, cfg_data.seed, ctx.device,
+            prefetch_steps=cfg_data.prefetch_steps, verifier=self.verifier,
         )  # fmt: skip
         self.val_batches = ValBatches(
             self.manifest, cfg_model.block_size, cfg_data.micro_batch_size, cfg_data.eval_sequences,
-            ctx.rank, ctx.world_size, ctx.device,
+            ctx.rank, ctx.world_size, ctx.device, verifier=self.verifier,
         )  # fmt: skip
         self.guard = GuardRail(config.guard)
         self.checkpointer: Checkpointer | None = None
@@ -137,6 +158,11 @@ class Trainer(Stateful):
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
         self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming)
+        self.telemetry = None
+        if config.metrics.prometheus:
+            from train.telemetry import TrainTelemetry  # OpenTelemetry and an HTTP server, only when asked
+
+            self.telemetry = TrainTelemetry(config, ctx.rank, ctx.world_size)
         self.peak_flops = device_peak_flops(ctx.device, cfg_par.precision, config.metrics.peak_flops_per_device)
         self.tokens_per_step = cfg_data.global_batch_size * cfg_model.block_size
         self.step = 0
@@ -145,17 +171,41 @@ class Trainer(Stateful):
         self.best_val_loss = math.inf
         self.rollbacks: list[dict[str, Any]] = []
         self.resumed_from: list[dict[str, Any]] = []  # one entry per resume (restarts add more)
+        # Steps before this one train at lr × checkpoint.rollback_lr_factor (set by a rollback).
+        self.lr_cooldown_until = 0
 
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
-        """Resume if asked, run the remaining steps, and commit the last checkpoint. The end-of-run
-        outputs (full model, probe, final.json, loss curve) are ``train.final.write_final``."""
-        if self.resuming:
-            self.resume()
-        while self.step < self.config.steps:
-            self.run_step()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        """Resume if asked, run the remaining steps, and commit the last checkpoint, under the watchdog.
+        The end-of-run outputs (full model, probe, final.json, loss curve) are ``train.final.write_final``."""
+        timeout = self.config.guard.hang_timeout_s
+        if timeout > 0:
+            self.watchdog = StepWatchdog(timeout, self.ctx.rank, self.on_hang)
+        try:
+            if self.resuming:
+                self._progress("resume: restoring the latest checkpoint")
+                self.resume()
+            while self.step < self.config.steps:
+                self.run_step()
+            if self.checkpointer is not None:
+                self._progress("committing the last checkpoint")
+                self.checkpointer.close()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
+            self.train_batches.close()
+
+    def close(self) -> None:
+        """Release what outlives ``train()``: the loader's threads, the shard verifier, the telemetry
+        endpoint and the metrics writers. Idempotent."""
+        self.train_batches.close()
+        if self.verifier is not None:
+            self.verifier.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+            self.telemetry = None
+        self.metrics.close()
 
     def resume(self) -> None:
         """Continue from the newest checkpoint that verifies (none: start from scratch, and say so)."""
@@ -200,6 +250,7 @@ class Trainer(Stateful):
         last = step == self.config.steps - 1
         interval = self.config.data.eval_interval
         if last or (interval > 0 and (step + 1) % interval == 0):
+            self._progress(f"evaluation after step {step}")
             record["val_loss"] = self.evaluate()
         if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
             self.check_replicas()
@@ -210,7 +261,11 @@ class Trainer(Stateful):
         report = last or step % mc.ray_report_interval == 0
         if report or step % mc.log_interval == 0 or "val_loss" in record or "checkpoint_stall_s" in record:
             record.update(gather_memory(self.ctx, self.peak_state_bytes))
+            record.update(self._gather_timings(record))
             self.metrics.log(record, report=report)
+        if self.telemetry is not None:
+            self.telemetry.observe_step(record)
+        self._progress(f"step {step} done")
         if self.on_step_end is not None:
             info = StepInfo(step, self.ctx.rank, self.ctx.world_size, self.config.output_dir, record, self.model)
             self.on_step_end(info)
@@ -226,7 +281,9 @@ class Trainer(Stateful):
         if kinds:
             if "val_loss" not in record and self.val_batches:
                 # Ray's retention orders checkpoints by val_loss, so every checkpoint carries one.
+                self._progress(f"evaluation for the checkpoint after step {record['step']}")
                 record["val_loss"] = self.evaluate()
+            self._progress(f"checkpoint save after step {record['step']}")
             info = {"tokens_seen": self.step * self.tokens_per_step, "data_step": self.train_batches.step}
             if record.get("val_loss") is not None:
                 info["val_loss"] = record["val_loss"]
@@ -242,23 +299,30 @@ class Trainer(Stateful):
         (and maybe a rollback). ``self.step`` advances by one unless a rollback restored an older step."""
         step = self.step
         started = time.perf_counter()
-        lr = learning_rate(step, self.config.steps, self.config.optimizer)
+        lr = self.learning_rate(step)
         set_learning_rate(self.optimizer, lr)
 
         # Accumulate over micro-batches; each loss is divided by the count so the summed gradient is
         # the mean over the rank's sequences, and DDP/FSDP average that over ranks: together, the mean
         # over the global batch, whatever the world size.
-        micro_batches = self.train_batches.next_micro_batches()
+        loaded = self.train_batches.next_step()
+        micro_batches = loaded.micro_batches
         loss_sum = torch.zeros((), device=self.ctx.device)
+        sync_wait = 0.0
         for i, batch in enumerate(micro_batches):
-            with gradient_sync(self.model, enabled=i == len(micro_batches) - 1), self._autocast():
+            final = i == len(micro_batches) - 1
+            with gradient_sync(self.model, enabled=final), self._autocast():
                 _, loss = self.model(batch.inputs, batch.targets)
+            if final:
+                sync_wait = self._arrival_probe()
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         local_loss = loss_sum / len(micro_batches)
 
         norm = float(grad_norm(self.params))
-        verdict = self.guard.check(self.ctx, local_loss, norm)
+        global_loss = self.ctx.all_reduce(local_loss.clone()) / self.ctx.world_size
+        loss_value = float(global_loss)  # .item() also waits for the device, so the timing is honest
+        verdict = self.guard.check(self.ctx, local_loss, norm, loss_value)
         rollback = None
         if verdict.ok:
             clip = self.config.optimizer.grad_clip
@@ -271,9 +335,8 @@ class Trainer(Stateful):
             self.step = step + 1
         self.peak_state_bytes = max(self.peak_state_bytes, sum(state_bytes(self.model, self.optimizer).values()))
         self.optimizer.zero_grad(set_to_none=True)
-
-        global_loss = self.ctx.all_reduce(local_loss.clone()) / self.ctx.world_size
-        loss_value = float(global_loss)  # .item() also waits for the device, so the timing is honest
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)  # the optimizer's kernels belong to this step's time
         elapsed = time.perf_counter() - started
         tokens_per_s = self.tokens_per_step / elapsed
         record = {
@@ -282,11 +345,17 @@ class Trainer(Stateful):
             "lr": lr,
             "grad_norm": norm,
             "tokens_per_s": tokens_per_s,
+            "step_tokens": self.tokens_per_step,
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.ctx.world_size),
             "strategy": self.config.parallel.strategy,
             "world_size": self.ctx.world_size,
             "grad_accum": self.grad_accum,
             "skipped": not verdict.ok,
+            # This rank's own view of the step (rank 0's in metrics.jsonl; every rank's in the *_ranks
+            # lists of logged records and in the telemetry).
+            "step_time_s": elapsed,
+            "data_wait_s": loaded.wait_s,
+            "sync_wait_s": sync_wait,
         }
         if rollback is not None:
             record["rolled_back_to"] = rollback["restored_step"]
@@ -331,11 +400,15 @@ class Trainer(Stateful):
         assert self.checkpointer is not None
         bad_data_step = self.train_batches.step - 1  # the batch the bad step just consumed
         bad_steps, rollbacks = self.bad_steps, self.rollbacks
+        self._progress(f"rollback after bad step {bad_step}: restoring the last checkpoint")
         restored = self.checkpointer.restore(self)
         if restored is None:
             return None
         resume_data_step = self.train_batches.step
         self.train_batches.step = bad_data_step + 1
+        c = self.config.checkpoint
+        if c.rollback_lr_steps > 0 and c.rollback_lr_factor < 1:
+            self.lr_cooldown_until = self.step + c.rollback_lr_steps
         global_batch = self.config.data.global_batch_size
         skipped = {
             "bad_step": bad_step,
@@ -343,6 +416,7 @@ class Trainer(Stateful):
             "restored_step": self.step,
             "skipped_data_steps": [resume_data_step, bad_data_step + 1],
             "skipped_global_samples": [resume_data_step * global_batch, (bad_data_step + 1) * global_batch],
+            "lr_factor_until_step": self.lr_cooldown_until if self.lr_cooldown_until > self.step else None,
         }
         # The restored state is older than the history of bad steps and rollbacks: keep the history.
         self.bad_steps, self.rollbacks = bad_steps, [*rollbacks, skipped]
@@ -376,6 +450,38 @@ class Trainer(Stateful):
         return digests
 
     # ---------------------------------------------------------------- helpers
+    def learning_rate(self, step: int) -> float:
+        """The schedule's lr (a pure function of the step), lowered by ``checkpoint.rollback_lr_factor``
+        for the ``rollback_lr_steps`` steps that follow a rollback."""
+        lr = learning_rate(step, self.config.steps, self.config.optimizer)
+        if step < self.lr_cooldown_until:
+            lr *= self.config.checkpoint.rollback_lr_factor
+        return lr
+
+    def _arrival_probe(self) -> float:
+        """Seconds this rank waits for the others right before the step's gradient synchronisation: a
+        straggler arrives last and waits ~0, its peers wait for it, so ``step_time_s - sync_wait_s`` is a
+        rank's own share of the step. The device is synchronised first, so on GPU the wait excludes this
+        rank's queued kernels. What it cannot separate: time ranks spend in collectives *before* this
+        point (FSDP's forward all-gathers), where a slow rank delays its peers inside the forward."""
+        if not self.ctx.distributed or not self.config.metrics.straggler_probe:
+            return 0.0
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        arrived = time.perf_counter()
+        float(self.ctx.all_reduce(torch.zeros(1, device=self.ctx.device)))
+        return time.perf_counter() - arrived
+
+    def _gather_timings(self, record: dict[str, Any]) -> dict[str, list[float]]:
+        """Every rank's step time, data wait and sync wait, for rank 0's metrics.jsonl (a collective)."""
+        keys = ("step_time_s", "data_wait_s", "sync_wait_s")
+        per_rank = self.ctx.all_gather_object(tuple(record[key] for key in keys))
+        return {f"{key}_ranks": [values[i] for values in per_rank] for i, key in enumerate(keys)}
+
+    def _progress(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(phase)
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP's MixedPrecisionPolicy already computes in bf16; autocast is for single/ddp.
         if self.config.parallel.precision == "bf16" and self.config.parallel.strategy != "fsdp":
@@ -395,6 +501,7 @@ class Trainer(Stateful):
                 "data": self.train_batches.state_dict(),
                 "guard": self.guard.state_dict(),
                 "best_val_loss": self.best_val_loss,
+                "lr_cooldown_until": self.lr_cooldown_until,
             },
             # Rank-unique key: DCP keeps one copy of a plain tensor saved under the same key by every rank.
             "rng": {rng_key(self.ctx.rank): capture_rng(self.ctx.device)},
@@ -412,6 +519,7 @@ class Trainer(Stateful):
         self.train_batches.load_state_dict(progress["data"])
         self.guard.load_state_dict(progress["guard"])
         self.best_val_loss = float(progress["best_val_loss"])
+        self.lr_cooldown_until = int(progress.get("lr_cooldown_until", 0))
         packed = state_dict.get("rng", {}).get(rng_key(self.ctx.rank))
         if packed is not None:  # absent for a rank that did not exist when the checkpoint was saved
             restore_rng(packed, self.ctx.device)

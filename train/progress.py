@@ -1,0 +1,120 @@
+"""The driver's view of a run: one live progress line from rank 0's ``metrics.jsonl``.
+
+Ray forwards each worker's output line by line, so a bar drawn on a worker turns into a new line per
+update; the driver owns the terminal. It tails the run dir's ``metrics.jsonl`` (written by rank 0, the
+full record of the run) and shows step/total, loss, val loss, tokens/s and ETA: a rich progress bar on a
+terminal, a log line every ``LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI). On a multi-node
+cluster the file is where rank 0 writes it; without shared storage the driver may not see it, and the
+line stays at the last step it could read (the run itself is unaffected).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_S = 30.0
+POLL_S = 1.0
+
+
+def describe(record: dict[str, Any], val_loss: float | None) -> str:
+    """The numbers after the bar: loss, val loss (the latest known), tokens/s."""
+    loss = record.get("loss")
+    parts = [f"loss {loss:.4f}" if isinstance(loss, float) else "loss nan"]
+    if val_loss is not None:
+        parts.append(f"val {val_loss:.4f}")
+    parts.append(f"{record.get('tokens_per_s', 0.0):,.0f} tok/s")
+    if record.get("skipped"):
+        parts.append("SKIPPED")
+    return " | ".join(parts)
+
+
+class RunProgress:
+    """A background thread that follows ``metrics.jsonl`` until ``stop()``; use as a context manager."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, console: Console | None = None) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.console = console or Console(stderr=True)
+        self._progress = Progress(
+            TextColumn("[bold cyan]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps {task.fields[numbers]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, numbers="")
+        self._offset = 0
+        self._val_loss: float | None = None
+        self._last: dict[str, Any] | None = None
+        self._last_log = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="raylm-train-progress", daemon=True)
+
+    def __enter__(self) -> RunProgress:
+        self._progress.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()  # the last records
+        self._progress.stop()
+
+    def poll(self) -> dict[str, Any] | None:
+        """Read the records appended since the last poll; returns the newest one (None if none yet)."""
+        try:
+            if self.path.stat().st_size < self._offset:  # rewritten (a resume truncates it): read it again
+                self._offset = 0
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return self._last
+        complete, _, _ = chunk.rpartition(b"\n")  # a line still being written waits for the next poll
+        if not complete:
+            return self._last
+        self._offset += len(complete) + 1
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("val_loss") is not None:
+                self._val_loss = record["val_loss"]
+            if "loss" in record:
+                self._last = record
+        if self._last is not None:
+            self._show(self._last)
+        return self._last
+
+    def _show(self, record: dict[str, Any]) -> None:
+        numbers = describe(record, self._val_loss)
+        self._progress.update(self._task, completed=record["step"] + 1, numbers=numbers)
+        now = time.monotonic()
+        if not self.console.is_terminal and now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            task = self._progress.tasks[0]
+            eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"
+            log.info("step %d/%d %s ETA %s", record["step"] + 1, self.total_steps, numbers, eta)
+
+    def _follow(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except OSError as exc:  # storage the driver cannot read: the run goes on without the line
+                log.debug("progress: cannot read %s: %s", self.path, exc)

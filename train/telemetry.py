@@ -1,0 +1,309 @@
+"""Live training telemetry: every rank's step metrics, served for Prometheus while the run trains.
+
+The same route as serving (``serve/metrics.py``): OpenTelemetry's Prometheus exporter has no multiprocess
+mode and every rank is its own process (a Ray Train worker), so each rank gets its own MeterProvider, its own
+``prometheus_client`` registry and its own scrape port (0 = any free port), served by
+``cluster.scrape_targets.ScrapeEndpoint``, which also writes the file_sd target
+``<sd_dir>/raylm-train-<run id>-rank<rank>.json`` that ``dashboards/prometheus.yml``'s ``raylm-train`` job
+reads. The file name is a function of run and rank only, so a restarted worker replaces its predecessor's
+target instead of leaving a dead one behind.
+
+Every series carries ``raylm_run_id`` (``metrics.run_id``, or the output dir's name) and ``raylm_rank``;
+the sd target carries the same two labels (plus ``raylm_component="train"``), so ``up`` names the rank too.
+Names as Prometheus sees them (OTel instrument -> Prometheus series):
+
+    raylm.train.info                      gauge = 1  -> raylm_train_info{raylm_strategy, raylm_world_size}
+    raylm.train.step                      gauge      -> raylm_train_step (0-based index of the step just finished)
+    raylm.train.steps                     counter    -> raylm_train_steps_total (optimizer steps, skipped included)
+    raylm.train.steps.skipped             counter    -> raylm_train_steps_skipped_total (the guard skipped the update)
+    raylm.train.steps.nonfinite           counter    -> raylm_train_steps_nonfinite_total (loss or grad norm NaN/Inf)
+    raylm.train.rollbacks                 counter    -> raylm_train_rollbacks_total
+    raylm.train.tokens                    counter    -> raylm_train_tokens_total (this rank's share: step tokens /
+                                                        world size, so the sum over ranks is global; tokens/s = rate)
+    raylm.train.learning_rate             gauge      -> raylm_train_learning_rate
+    raylm.train.mfu                       gauge 1    -> raylm_train_mfu (absent where no peak FLOP/s is known: CPU)
+    raylm.train.step_time                 counter s  -> raylm_train_step_time_seconds_total (this rank's wall time)
+    raylm.train.busy_time                 counter s  -> raylm_train_busy_time_seconds_total (step time - sync wait)
+    raylm.train.data_wait                 counter s  -> raylm_train_data_wait_seconds_total (blocked on its data)
+    raylm.train.sync_wait                 counter s  -> raylm_train_sync_wait_seconds_total (at the arrival probe)
+    raylm.train.last_step.timestamp       gauge s    -> raylm_train_last_step_timestamp_seconds (unix time)
+    raylm.train.last_checkpoint.timestamp gauge s    -> raylm_train_last_checkpoint_timestamp_seconds (unix time of
+                                                        the last save; the process's start until the first one)
+    raylm.train.checkpoint.interval       gauge s    -> raylm_train_checkpoint_interval_seconds (expected save gap)
+    raylm.train.checkpoint.stall          gauge s    -> raylm_train_checkpoint_stall_seconds (latest blocked step)
+    raylm.train.checkpoints               counter    -> raylm_train_checkpoints_total (saves made)
+    raylm.train.memory.peak               gauge By   -> raylm_train_memory_peak_bytes (CUDA peak; CPU: state held)
+    raylm.train.memory.state              gauge By   -> raylm_train_memory_state_bytes (params+grads+optimizer held)
+    raylm.train.memory.peak_rss           gauge By   -> raylm_train_memory_peak_rss_bytes
+    (prometheus_client, see below)        gauges     -> raylm_train_loss, raylm_train_val_loss, raylm_train_grad_norm
+
+Per-step times are counters of seconds rather than gauges of the last step: a scrape every 15 s would see one
+step in hundreds, while ``rate(x_seconds_total) / rate(raylm_train_steps_total)`` is the mean over every step in
+the window. Loss, val loss and grad norm bypass OpenTelemetry: its SDK drops non-finite measurements ("is not
+finite ..., ignoring measurement"), which would leave the last finite loss on display exactly when training
+diverges, so they are served by a small collector on the same registry and reach Prometheus as ``NaN`` /
+``+Inf``. OTel's scope labels are switched off so that both kinds of series carry the same label set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import Counter, Meter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from cluster.scrape_targets import ScrapeEndpoint, safe_name
+from train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+# Recent step times behind the expected checkpoint interval of step-triggered saves. A median, so that the odd
+# slow step (the first one's warm-up, a data stall) does not stretch the estimate.
+STEP_TIME_WINDOW = 50
+
+# The gauges that must carry NaN/Inf (served by _LastValues, not OTel): Prometheus name -> help text.
+NON_FINITE_GAUGES = {
+    "raylm_train_loss": "Global mean training loss of the step just finished (NaN/Inf as reported).",
+    "raylm_train_val_loss": "Validation loss of the latest evaluation.",
+    "raylm_train_grad_norm": "Global gradient norm of the step just finished, before clipping (NaN/Inf as reported).",
+}
+
+
+def run_id_of(config: TrainConfig) -> str:
+    """The run's label in Prometheus: ``metrics.run_id``, or the output dir's name."""
+    return config.metrics.run_id or Path(config.output_dir).name
+
+
+def sd_filename(run_id: str, rank: int) -> str:
+    return f"raylm-train-{safe_name(run_id)}-rank{rank}.json"
+
+
+class TrainTelemetry:
+    """One rank's instruments, its scrape endpoint and its service-discovery file."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        self.run_id = run_id_of(config)
+        self.rank = rank
+        self.world_size = world_size
+        self.checkpoint_config = config.checkpoint
+        self.attrs = {"raylm.run.id": self.run_id, "raylm.rank": str(rank)}
+        self.started = time.time()
+        self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
+        self._closed = False
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
+        self.provider = MeterProvider(
+            metric_readers=[reader],
+            resource=Resource.create(
+                {"service.name": "raylm-train", "service.instance.id": f"{self.run_id}/rank{rank}"}
+            ),
+        )
+        meter = self.provider.get_meter("raylm.train")
+        self.last_values = _LastValues({"raylm_run_id": self.run_id, "raylm_rank": str(rank)})
+        self.registry.register(self.last_values)
+
+        self.info = meter.create_gauge("raylm.train.info", description="1, with the run's strategy and world size.")
+        self.info.set(
+            1, {**self.attrs, "raylm.strategy": config.parallel.strategy, "raylm.world_size": str(world_size)}
+        )
+        self.step = meter.create_gauge(
+            "raylm.train.step", unit="{step}", description="0-based index of the optimizer step just finished."
+        )
+        self.steps = self._counter(meter, "raylm.train.steps", "{step}", "Optimizer steps, skipped ones included.")
+        self.skipped = self._counter(
+            meter, "raylm.train.steps.skipped", "{step}", "Steps whose update the guard skipped."
+        )
+        self.nonfinite = self._counter(
+            meter, "raylm.train.steps.nonfinite", "{step}", "Steps whose loss or grad norm was NaN or infinite."
+        )
+        self.rollbacks = self._counter(
+            meter, "raylm.train.rollbacks", "{rollback}", "Rollbacks to the last good checkpoint."
+        )
+        self.tokens = self._counter(
+            meter, "raylm.train.tokens", "{token}", "Tokens this rank processed (its share of each global batch)."
+        )
+        self.lr = meter.create_gauge("raylm.train.learning_rate", description="Learning rate of the latest step.")
+        self.mfu = meter.create_gauge(
+            "raylm.train.mfu", unit="1", description="Model FLOPs utilisation of the step just finished."
+        )
+        self.step_time = self._counter(meter, "raylm.train.step_time", "s", "This rank's wall time of its steps.")
+        self.busy_time = self._counter(
+            meter, "raylm.train.busy_time", "s", "Step time minus the wait at the arrival probe: this rank's own work."
+        )
+        self.data_wait = self._counter(
+            meter, "raylm.train.data_wait", "s", "Time this rank blocked waiting for its steps' data."
+        )
+        self.sync_wait = self._counter(
+            meter, "raylm.train.sync_wait", "s", "Time this rank waited for the other ranks before gradient sync."
+        )
+        self.last_step_ts = meter.create_gauge(
+            "raylm.train.last_step.timestamp", unit="s", description="Unix time the latest step finished."
+        )
+        self.ckpt_interval = meter.create_gauge(
+            "raylm.train.checkpoint.interval", unit="s", description="Expected seconds between periodic checkpoints."
+        )
+        self.ckpt_stall = meter.create_gauge(
+            "raylm.train.checkpoint.stall", unit="s", description="Seconds the latest checkpointing step blocked."
+        )
+        self.ckpt_saves = self._counter(meter, "raylm.train.checkpoints", "{checkpoint}", "Checkpoints saved.")
+        self.last_ckpt_ts = None
+        if config.checkpoint.enabled:
+            self.last_ckpt_ts = meter.create_gauge(
+                "raylm.train.last_checkpoint.timestamp", unit="s",
+                description="Unix time of the latest checkpoint save (the process's start before the first one).",
+            )  # fmt: skip
+            self.last_ckpt_ts.set(self.started, self.attrs)
+            # A time trigger alone is known before any step; a step trigger needs step times first.
+            self._set_checkpoint_interval()
+        memory = {
+            "peak_mem_bytes": ("raylm.train.memory.peak", "Peak device memory (CUDA allocated; CPU: state held)."),
+            "state_bytes": ("raylm.train.memory.state", "Parameters, gradients and optimizer state this rank holds."),
+            "peak_rss_bytes": ("raylm.train.memory.peak_rss", "Peak resident set size of this rank's process."),
+        }
+        self.memory = {
+            key: meter.create_gauge(name, unit="By", description=description)
+            for key, (name, description) in memory.items()
+        }
+
+        self.endpoint = ScrapeEndpoint(
+            self.registry, host=config.metrics.prometheus_host, port=0, sd_dir=config.metrics.sd_dir,
+            filename=sd_filename(self.run_id, rank),
+            labels={"raylm_component": "train", "raylm_run_id": self.run_id, "raylm_rank": str(rank)},
+        )  # fmt: skip
+        log.info("rank %d telemetry for run %r at %s", rank, self.run_id, self.endpoint.url)
+
+    def _counter(self, meter: Meter, name: str, unit: str, description: str) -> Counter:
+        counter = meter.create_counter(name, unit=unit, description=description)
+        # Exported at 0 from the start: rate()/increase() need a sample before the first increment, or the
+        # first skipped step or rollback of a run would never show as an increase.
+        counter.add(0, self.attrs)
+        return counter
+
+    # ---- recording ---------------------------------------------------------------------------------------
+
+    def observe_step(self, record: dict[str, Any]) -> None:
+        """Record one optimizer step's metrics record, as ``train.trainer`` builds it: always ``step``, ``loss``,
+        ``lr``, ``grad_norm``, ``step_tokens``, ``mfu``, ``skipped``, ``step_time_s``, ``data_wait_s``,
+        ``sync_wait_s``; sometimes ``val_loss``, ``checkpoints``/``checkpoint``, ``checkpoint_stall_s``,
+        ``rolled_back_to`` and the per-rank memory lists."""
+        a = self.attrs
+        now = time.time()
+        loss, grad_norm = float(record["loss"]), float(record["grad_norm"])
+        self.last_values.set("raylm_train_loss", loss)
+        self.last_values.set("raylm_train_grad_norm", grad_norm)
+        if record.get("val_loss") is not None:
+            self.last_values.set("raylm_train_val_loss", float(record["val_loss"]))
+
+        self.step.set(int(record["step"]), a)
+        self.steps.add(1, a)
+        if record["skipped"]:
+            self.skipped.add(1, a)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.nonfinite.add(1, a)
+        if record.get("rolled_back_to") is not None:
+            self.rollbacks.add(1, a)
+        self.tokens.add(record["step_tokens"] / self.world_size, a)
+        self.lr.set(float(record["lr"]), a)
+        if record.get("mfu") is not None:
+            self.mfu.set(float(record["mfu"]), a)
+
+        step_time, sync_wait = float(record["step_time_s"]), float(record["sync_wait_s"])
+        self.step_time.add(step_time, a)
+        # Clock reads around the probe can put the wait a hair above the step's own span; counters must not
+        # go backwards.
+        self.busy_time.add(max(0.0, step_time - sync_wait), a)
+        self.data_wait.add(float(record["data_wait_s"]), a)
+        self.sync_wait.add(sync_wait, a)
+        self._step_times.append(step_time)
+        self.last_step_ts.set(now, a)
+
+        saves = _saves(record)
+        if saves:
+            self.ckpt_saves.add(saves, a)
+            if self.last_ckpt_ts is not None:
+                self.last_ckpt_ts.set(now, a)
+        if record.get("checkpoint_stall_s") is not None:
+            self.ckpt_stall.set(float(record["checkpoint_stall_s"]), a)
+        self._set_checkpoint_interval()
+
+        for key, gauge in self.memory.items():
+            per_rank = record.get(key)
+            if per_rank is not None and self.rank < len(per_rank) and per_rank[self.rank] is not None:
+                gauge.set(int(per_rank[self.rank]), a)
+
+    def expected_checkpoint_interval(self) -> float | None:
+        """Seconds between periodic saves: the time trigger, the step trigger × the median recent step time,
+        or the sooner of the two when both are set (a save happens at whichever comes first). None without a
+        periodic trigger, or before the first step when only the step trigger is set."""
+        c = self.checkpoint_config
+        if not c.enabled:
+            return None
+        candidates = []
+        if c.interval_seconds > 0:
+            candidates.append(c.interval_seconds)
+        if c.interval_steps > 0 and self._step_times:
+            candidates.append(c.interval_steps * statistics.median(self._step_times))
+        return min(candidates) if candidates else None
+
+    def _set_checkpoint_interval(self) -> None:
+        interval = self.expected_checkpoint_interval()
+        if interval is not None:
+            self.ckpt_interval.set(interval, self.attrs)
+
+    def close(self) -> None:
+        """Remove the sd file, stop the server, shut the provider down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.endpoint.close()
+        self.provider.shutdown()
+
+
+def _saves(record: dict[str, Any]) -> int:
+    """Checkpoints saved at this step: the checkpointer's list of saves, or a single named one."""
+    if record.get("checkpoints"):
+        return len(record["checkpoints"])
+    return 1 if record.get("checkpoint") else 0
+
+
+class _LastValues:
+    """A ``prometheus_client`` collector of gauges whose latest value may be NaN or ±Inf (see the module
+    docstring for why these do not go through OpenTelemetry). A gauge is absent until its first value."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._labels = labels
+        self._values: dict[str, float] = {}
+        self._lock = threading.Lock()  # written by the training thread, read by the scrape server's
+
+    def set(self, name: str, value: float) -> None:
+        if name not in NON_FINITE_GAUGES:
+            raise KeyError(f"unknown gauge {name!r}; known: {sorted(NON_FINITE_GAUGES)}")
+        with self._lock:
+            self._values[name] = value
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only: lets the registry reject a clash with the OTel collector's names at registration.
+        for name, documentation in NON_FINITE_GAUGES.items():
+            yield GaugeMetricFamily(name, documentation, labels=list(self._labels))
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            values = dict(self._values)
+        for name, documentation in NON_FINITE_GAUGES.items():
+            if name in values:
+                family = GaugeMetricFamily(name, documentation, labels=list(self._labels))
+                family.add_metric(list(self._labels.values()), values[name])
+                yield family
