@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cluster.scrape_targets import DEFAULT_SD_DIR
 
@@ -20,6 +20,21 @@ DEFAULT_MAX_BATCH_SIZE = 8
 # step and queues the rest, where raylm_server_queue_time_seconds measures the wait.
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_CANARY_INTERVAL_S = 300.0  # seconds between canary runs over the eval set
+# Request caps, checked before any work is done for a request (see serve/README.md, "Caps").
+# The body cap is read from Content-Length before the body is read, then enforced on the bytes read; 2 MiB
+# holds any prompt under the character cap however it is JSON-escaped (at most 6 bytes per character).
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
+# Characters over all of a request's text prompts (or chat message contents). Tokenizing is ~1 MB/s on one
+# core, so this bounds a request's tokenizer time to ~0.2 s; it is ~50x what a 1024-token context can take.
+DEFAULT_MAX_PROMPT_CHARS = 200_000
+# Sequences one request may start (prompts x n): each one is a prefill and a KV slot's worth of decoding.
+DEFAULT_MAX_CHOICES = 64
+# Chat on a base model (not instruction-tuned): each message is rendered with the template, the prefix is
+# appended, and the model continues the transcript; the stops end its turn when it starts writing the next
+# one. A prompt format, not a trained chat format: replies are plausible continuations, not instructions followed.
+DEFAULT_CHAT_MESSAGE_TEMPLATE = "{role}: {content}\n"
+DEFAULT_CHAT_ASSISTANT_PREFIX = "assistant:"
+DEFAULT_CHAT_STOP: tuple[str, ...] = ("\nuser:", "\nassistant:", "\nsystem:")
 DEFAULT_AUTOSCALING: dict[str, Any] = {
     "min_replicas": 1,
     "max_replicas": 2,
@@ -31,7 +46,8 @@ DEFAULT_AUTOSCALING: dict[str, Any] = {
 
 
 class AppArgs(BaseModel):
-    """Arguments of ``build_app`` (the ``args:`` of an application in a Serve config YAML)."""
+    """Arguments of ``build_app`` (the ``args:`` of an application in a Serve config YAML); the replica gets
+    the validated object."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -49,3 +65,29 @@ class AppArgs(BaseModel):
     canary_interval: float = Field(DEFAULT_CANARY_INTERVAL_S, gt=0)
     canary_endpoint: str | None = None  # default: http://127.0.0.1:8000
     canary_min_score: float | None = None
+    # Request handling: caps, and the prompt format of /v1/chat/completions.
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1)
+    max_prompt_chars: int = Field(DEFAULT_MAX_PROMPT_CHARS, ge=1)
+    max_choices: int = Field(DEFAULT_MAX_CHOICES, ge=1)
+    chat_message_template: str = DEFAULT_CHAT_MESSAGE_TEMPLATE
+    chat_assistant_prefix: str = DEFAULT_CHAT_ASSISTANT_PREFIX
+    chat_stop: tuple[str, ...] = DEFAULT_CHAT_STOP
+
+    @field_validator("chat_message_template")
+    @classmethod
+    def _template_fields(cls, value: str) -> str:
+        # Fail at deploy time, not on the first chat request: the template may name only {role} and {content}.
+        try:
+            rendered = value.format(role="\0r", content="\0c")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"must be a str.format template with only {{role}} and {{content}}: {exc!r}") from None
+        if "\0c" not in rendered:
+            raise ValueError("must contain {content}")
+        return value
+
+    @field_validator("chat_stop")
+    @classmethod
+    def _stops_non_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value

@@ -16,9 +16,15 @@ Two passes:
 - ``decode``: one new token for each of B sequences (different lengths, different slots) in one batched
   pass; each query attends to its own slot's cached keys up to its own position (a padding mask hides
   the rest). This is the step continuous batching repeats.
+
+Log-probabilities are computed in one place, ``log_probs``: the fp32 log-softmax of the logits a pass
+already produced (prefill for an echoed prompt, the step's logits for a generated token, ``GPT.forward``
+for /v1/score), never from a second forward pass.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +109,54 @@ def decode(
     return F.linear(model.ln_f(x), model.wte.weight)[:, 0]
 
 
+# Rows of logits turned into fp32 log-probabilities at a time: an echoed 2048-token prompt over a 50k
+# vocabulary would otherwise be one 400 MB fp32 copy.
+LOGPROB_ROWS = 256
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p of ``token`` under the model (raw distribution: no temperature or top_p) and the ``k`` most
+    likely tokens at that position, best first. ``logprob`` is None (and ``top`` empty) for a token nothing
+    in the request predicts: the first token of an echoed prompt (OpenAI's convention)."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@torch.inference_mode()
+def log_probs(logits: torch.Tensor, targets: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``logits`` (N, vocab) -> log p of ``targets`` (N,) and each row's top ``k`` (values, ids), (N, k).
+
+    fp32 ``log_softmax`` whatever the model's dtype, so bf16 serving reports the same numbers as fp32 scoring.
+    """
+    chosen, top_values, top_ids = [], [], []
+    for start in range(0, logits.shape[0], LOGPROB_ROWS):
+        logp = torch.log_softmax(logits[start : start + LOGPROB_ROWS].float(), dim=-1)
+        chosen.append(logp.gather(1, targets[start : start + LOGPROB_ROWS, None])[:, 0])
+        if k:
+            values, ids = logp.topk(k, dim=-1)
+            top_values.append(values)
+            top_ids.append(ids)
+    n = logits.shape[0]
+    empty = torch.zeros(n, 0, device=logits.device)
+    return (
+        torch.cat(chosen) if chosen else torch.zeros(0, device=logits.device),
+        torch.cat(top_values) if top_values else empty,
+        torch.cat(top_ids) if top_ids else empty.long(),
+    )
+
+
+def token_logprob_entries(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """``log_probs`` as one ``TokenLogprob`` per row (plain Python numbers, ready for a response body)."""
+    chosen, values, ids = (t.cpu().tolist() for t in log_probs(logits, targets, k))
+    return [
+        TokenLogprob(token, logprob, tuple(zip(row_ids, row_values, strict=True)))
+        for token, logprob, row_values, row_ids in zip(targets.tolist(), chosen, values, ids, strict=True)
+    ]
+
+
 @torch.inference_mode()
 def token_logprobs(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1, scored in windows of block_size (no cache needed).
@@ -115,8 +169,7 @@ def token_logprobs(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     for start in range(0, ids.shape[0] - 1, block):
         window = ids[start : start + block + 1]
         logits, _ = model(window[None, :-1])
-        logp = torch.log_softmax(logits[0].float(), dim=-1)
-        out.append(logp.gather(1, window[1:, None])[:, 0])
+        out.append(log_probs(logits[0], window[1:])[0])
     return torch.cat(out) if out else torch.zeros(0, device=ids.device)
 
 

@@ -23,7 +23,9 @@ Prometheus compatibility rules spell them:
 The spec's token metric, ``gen_ai.client.token.usage``, is a *client* histogram of tokens per call; a
 server wants a rate of tokens, so the server-side equivalent here is a counter with the same
 ``gen_ai.token.type`` (input/output) attribute, under our own namespace rather than a spec name it
-does not match. Every series carries ``gen_ai_request_model`` and ``raylm_lineage_id``.
+does not match. Every series carries ``gen_ai_request_model`` and ``raylm_lineage_id``; the replica's scrape
+target adds ``application`` and ``deployment`` (the labels of Ray Serve's own ``ray_serve_*`` series, so the
+two can be joined) plus ``raylm_replica``.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class ServeMetrics:
         instance = instance_name or f"pid{os.getpid()}"
         self.endpoint = ScrapeEndpoint(
             self.registry, host=host, port=port, sd_dir=sd_dir, filename=f"raylm-serve-{safe_name(instance)}.json",
-            labels={"raylm_component": "serve", "raylm_replica": instance},
+            labels={"raylm_component": "serve", "raylm_replica": instance, **serve_deployment_labels()},
         )  # fmt: skip
         self.host, self.port, self.sd_file = self.endpoint.host, self.endpoint.port, self.endpoint.sd_file
 
@@ -171,6 +173,23 @@ class ServeMetrics:
     def close(self) -> None:
         self.endpoint.close()
         self.provider.shutdown()
+
+
+def serve_deployment_labels() -> dict[str, str]:
+    """``application`` and ``deployment`` of the Serve replica this process is, as target labels.
+
+    Ray Serve's own series (``ray_serve_*``: router queue, proxy latency) carry these two labels and no model
+    name; with the same labels on the replica's target, ``group by (application, deployment,
+    gen_ai_request_model) (raylm_server_requests_running)`` maps them to the model, which the overload alert
+    and the dashboard's router panels join on. Empty outside a replica.
+    """
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        return {"application": context.app_name, "deployment": context.deployment}
+    except Exception:  # not inside a Serve replica (in-process use, unit tests)
+        return {}
 
 
 def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:

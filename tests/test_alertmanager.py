@@ -1,0 +1,149 @@
+"""dashboards/alertmanager.yml: checked with amtool, and alerts delivered end to end through a real Prometheus and
+a real Alertmanager (Debian's binaries, on free loopback ports) to a local webhook receiver. No Ray.
+
+The delivery test loads a test-only rule file whose rules carry the real alert names and labels with ``vector(1)``
+as their expression, so that every alert fires at Prometheus's first evaluation: what is under test is the
+routing, grouping and inhibition of the shipped config, not the rules (alerts_test.yml and
+training_alerts_test.yml test those with promtool).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from prometheus_helpers import (
+    DASHBOARDS,
+    WebhookReceiver,
+    amtool,
+    find_binary,
+    running_alertmanager,
+    running_prometheus,
+    wait_for,
+)
+
+# (alert name, labels) of the test rules. Sources of inhibition come first: Prometheus sends each rule's alerts
+# right after evaluating it, and although group_wait covers the gap, there is no reason to widen it.
+FIRING: list[tuple[str, dict[str, str]]] = [
+    ("RayLMServeOverloaded", {"severity": "warning", "gen_ai_request_model": "m"}),
+    ("RayLMCanaryStale", {"severity": "warning", "eval_set": "val@1"}),
+    ("RayLMTrainHung", {"severity": "critical", "raylm_run_id": "run-a"}),
+    # Inhibited: the same model / eval set / run as a source above.
+    ("RayLMTimeToFirstTokenHigh", {"severity": "warning", "gen_ai_request_model": "m", "raylm_lineage_id": "l1"}),
+    ("RayLMCanaryScoreRegression", {"severity": "critical", "eval_set": "val@1", "gen_ai_request_model": "m"}),
+    ("RayLMTrainCheckpointStale", {"severity": "warning", "raylm_run_id": "run-a"}),
+    ("RayLMTrainThroughputDrop", {"severity": "warning", "raylm_run_id": "run-a"}),
+    # Delivered: the same alert names about something else.
+    ("RayLMTimeToFirstTokenHigh", {"severity": "warning", "gen_ai_request_model": "other", "raylm_lineage_id": "l2"}),
+    ("RayLMCanaryScoreRegression", {"severity": "critical", "eval_set": "other@2", "gen_ai_request_model": "m"}),
+    ("RayLMTrainCheckpointStale", {"severity": "warning", "raylm_run_id": "run-b"}),
+]
+INHIBITED = FIRING[3:7]
+DELIVERED = FIRING[:3] + FIRING[7:]
+
+
+def test_alertmanager_config_passes_amtool() -> None:
+    result = amtool("check-config", "alertmanager.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout and "3 inhibit rules" in result.stdout
+
+
+@pytest.mark.parametrize(("severity", "receiver"), [("critical", "raylm-critical"), ("warning", "raylm-warning")])
+def test_routes_send_critical_and_warning_alerts_to_their_receivers(severity: str, receiver: str) -> None:
+    result = amtool(
+        "config", "routes", "test", "--config.file=alertmanager.yml", f"severity={severity}", "alertname=RayLMX"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == receiver
+
+
+def test_prometheus_sends_to_the_local_alertmanager() -> None:
+    config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+    (manager,) = config["alerting"]["alertmanagers"]
+    assert manager["static_configs"] == [{"targets": ["127.0.0.1:9093"]}]
+
+
+def test_install_script_is_idempotent_when_binaries_exist() -> None:
+    find_binary("amtool")
+    find_binary("prometheus-alertmanager")
+    result = subprocess.run(
+        ["bash", str(DASHBOARDS / "install_alertmanager.sh")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "already installed" in result.stdout, result.stdout + result.stderr
+
+
+def test_firing_alerts_reach_the_webhook_and_inhibited_ones_do_not(tmp_path: Path) -> None:
+    rules = {
+        "groups": [
+            {
+                "name": "alertmanager-e2e",
+                "rules": [
+                    {"alert": name, "expr": "vector(1)", "labels": labels, "annotations": {"summary": f"test {name}"}}
+                    for name, labels in FIRING
+                ],
+            }
+        ]
+    }
+    rule_file = tmp_path / "e2e_rules.yml"
+    rule_file.write_text(yaml.safe_dump(rules))
+    with WebhookReceiver() as webhook:
+        config = yaml.safe_load((DASHBOARDS / "alertmanager.yml").read_text())
+        for receiver in config["receivers"]:
+            for hook in receiver["webhook_configs"]:
+                hook["url"] = hook["url"].replace("http://127.0.0.1:9095", webhook.url)
+        # The shipped 30 s group_wait would be most of this test's run time; routing, grouping and inhibition
+        # are what is under test, and they do not depend on it.
+        config["route"]["group_wait"] = "1s"
+        (tmp_path / "am").mkdir()
+        (tmp_path / "prom").mkdir()
+        with (
+            running_alertmanager(config, tmp_path / "am") as am,
+            running_prometheus(
+                tmp_path / "sd", tmp_path / "prom", rule_files=[str(rule_file)], alertmanager=am.removeprefix("http://")
+            ),
+        ):
+
+            def delivered() -> list[tuple[str, dict]] | None:
+                got = webhook.alerts()
+                return got if len(got) >= len(DELIVERED) else None
+
+            got = wait_for(delivered, timeout=30, what=f"{len(DELIVERED)} alerts at the webhook")
+            # Every alert's group has been flushed by now (one group_wait after the first evaluation); an
+            # inhibited alert would have been sent with them. Alertmanager's API says why it was not.
+            status = requests.get(f"{am}/api/v2/alerts", timeout=10).json()
+
+    sent = sorted((alert["labels"]["alertname"], path, _subject(alert["labels"])) for path, alert in got)
+    expected = sorted(
+        (name, f"/raylm/{labels['severity']}", _subject({"alertname": name, **labels})) for name, labels in DELIVERED
+    )
+    assert sent == expected
+    for path, alert in got:
+        name = alert["labels"]["alertname"]
+        assert alert["status"] == "firing"
+        assert alert["annotations"]["summary"] == f"test {name}"
+        assert path.endswith(alert["labels"]["severity"])
+    # One POST per group: grouped by alert name and the model / eval set / run it is about.
+    for _, body in webhook.posts:
+        assert body["status"] == "firing" and body["receiver"] in ("raylm-critical", "raylm-warning")
+        assert set(body["groupLabels"]) <= {"alertname", "gen_ai_request_model", "eval_set", "raylm_run_id"}
+        assert len(body["alerts"]) == 1
+
+    by_subject = {(a["labels"]["alertname"], _subject(a["labels"])): a for a in status}
+    for name, labels in INHIBITED:
+        alert = by_subject[(name, _subject({"alertname": name, **labels}))]
+        assert alert["status"]["state"] == "suppressed", alert
+        assert alert["status"]["inhibitedBy"], alert
+    for name, labels in DELIVERED:
+        alert = by_subject[(name, _subject({"alertname": name, **labels}))]
+        assert alert["status"]["state"] == "active", alert
+
+
+def _subject(labels: dict[str, str]) -> str:
+    """What an alert is about: its model, eval set or run (the labels inhibition compares)."""
+    for key in ("eval_set", "raylm_run_id", "gen_ai_request_model"):
+        if key in labels:
+            return f"{key}={labels[key]}"
+    raise AssertionError(labels)
