@@ -1,10 +1,11 @@
-"""python -m train.export --run DIR [--output DIR]: the consolidated model for serving.
+"""python -m train.export --run DIR [--output DIR] [--format raylm|hf]: the consolidated model for serving.
 
 Reads ``<run>/final/`` (written by rank 0 at the end of training: full unsharded state dict, model
 and train config, a probe of the live model's logits) and writes DESIGN.md's export layout:
 ``model.safetensors``, ``config.json`` (GPTConfig), ``tokenizer.json`` (copied from the data dir,
 checked against the manifest's sha256) and ``lineage.json``. Before writing, the rebuilt model must
-reproduce the probe logits: proof that consolidation lost nothing.
+reproduce the probe logits: proof that consolidation lost nothing. ``--format hf`` writes the same model
+in Hugging Face's GPT-2 layout instead (``train.hf_export``), for transformers, vLLM and lm-evaluation-harness.
 """
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ def probe_difference(model: GPT, run_dir: str | Path, precision: str, strategy: 
     return float((logits.float() - probe["logits"]).abs().max())
 
 
-def export(run_dir: str | Path, output_dir: str | Path | None = None) -> Path:
+FORMATS = ("raylm", "hf")
+
+
+def export(run_dir: str | Path, output_dir: str | Path | None = None, fmt: str = "raylm") -> Path:
+    """Check and write the export of a finished run; ``fmt`` raylm (serving's layout) or hf (GPT-2's)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}: one of {', '.join(FORMATS)}")
     run = Path(run_dir)
-    out = Path(output_dir) if output_dir is not None else run / "export"
+    out = Path(output_dir) if output_dir is not None else run / ("export" if fmt == "raylm" else "export-hf")
     model, info = load_final(run)
     train_config = info["train_config"]
     precision, strategy = train_config["parallel"]["precision"], train_config["parallel"]["strategy"]
@@ -75,11 +82,6 @@ def export(run_dir: str | Path, output_dir: str | Path | None = None) -> Path:
     if manifest.sha256 != info["data_manifest_sha256"]:
         raise ExportError(f"{manifest.root}/manifest.json changed since training: the tokenizer may not match")
     tokenizer_sha = sha256_file(manifest.tokenizer_path)
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(info["model_config"], indent=2))
-    shutil.copyfile(manifest.tokenizer_path, out / "tokenizer.json")
     lineage = {
         "data_manifest_sha256": info["data_manifest_sha256"],
         "data_dir": train_config["data_dir"],
@@ -89,6 +91,19 @@ def export(run_dir: str | Path, output_dir: str | Path | None = None) -> Path:
         "probe_max_abs_logit_diff": diff,
         "train_config": train_config,
     }
+    if fmt == "hf":
+        from train.hf_export import HFExportError, export_hf
+
+        probe = load_file(str(run / FINAL_DIR / FINAL_PROBE))["tokens"]
+        try:
+            return export_hf(model, manifest.tokenizer_path, lineage, out, probe)
+        except HFExportError as exc:
+            raise ExportError(str(exc)) from exc
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(info["model_config"], indent=2))
+    shutil.copyfile(manifest.tokenizer_path, out / "tokenizer.json")
     (out / "lineage.json").write_text(json.dumps(lineage, indent=2))
     return out
 
@@ -104,14 +119,20 @@ def load_exported(export_dir: str | Path) -> GPT:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.export",
-        description="Write model.safetensors, config.json, tokenizer.json and lineage.json for serving.",
+        description="Write model.safetensors, config.json, tokenizer.json and lineage.json for serving "
+        "(--format raylm), or the same model as a Hugging Face GPT-2 directory (--format hf) that "
+        "transformers.AutoModelForCausalLM / AutoTokenizer, vLLM and lm-evaluation-harness load.",
     )
     parser.add_argument("--run", required=True, help="training run dir (python -m train --output)")
-    parser.add_argument("--output", help="export dir (default: RUN/export)")
+    parser.add_argument("--output", help="export dir (default: RUN/export, or RUN/export-hf for --format hf)")
+    parser.add_argument(
+        "--format", default="raylm", choices=FORMATS, help="raylm: what `python -m serve` loads (default); "
+        "hf: GPT2LMHeadModel + PreTrainedTokenizerFast (needs transformers: pip install 'raylm[hf]')",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     setup_logging()
     try:
-        out = export(args.run, args.output)
+        out = export(args.run, args.output, args.format)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,149 @@
+"""The model in Hugging Face's layout: a directory ``transformers`` loads as ``GPT2LMHeadModel`` without custom code.
+
+Our GPT is architecturally GPT-2: learned absolute positions, pre-LayerNorm blocks with biases (eps 1e-5), a
+tanh-approximated GELU MLP of width 4·n_embd (GPT-2's ``gelu_new``), one fused q/k/v projection split in q, k, v
+order, and the output projection tied to the token embedding. So the conversion is a renaming, plus a transpose:
+GPT-2 stores its linear layers as ``Conv1D`` with weights laid out (in, out) where ``nn.Linear`` has (out, in).
+A model GPT-2 cannot express (``bias: false``) is refused rather than exported wrong.
+
+The export is built with ``transformers`` itself (``GPT2LMHeadModel.save_pretrained``,
+``PreTrainedTokenizerFast.save_pretrained``, ``GenerationConfig``), so the files are what its loaders expect,
+and the converted model must reproduce our model's logits on a probe before anything is written. Written:
+``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json`` + ``tokenizer_config.json``
+(+ special tokens), and ``lineage.json`` (the raylm export's, with ``"format": "hf"`` added).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.steps.tokenize import EOT
+from train.model import GPT
+
+# Same bound as the export's fp32 probe check: a renaming must not change the function beyond float rounding.
+LOGITS_TOLERANCE = 1e-4
+
+
+class HFExportError(RuntimeError):
+    pass
+
+
+def _require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise HFExportError(
+            "the Hugging Face export needs `transformers` (pip install 'raylm[hf]' or pip install transformers)"
+        ) from exc
+    return transformers
+
+
+def check_expressible(model: GPT) -> None:
+    """Raise ``HFExportError`` naming each setting GPT-2 has no equivalent for."""
+    problems = []
+    if not model.config.bias:
+        problems.append("bias: false (GPT-2's linear layers and LayerNorms always have biases)")
+    if model.wte.weight.shape[0] != model.config.vocab_size:
+        problems.append("the token embedding does not have vocab_size rows")
+    if problems:
+        raise HFExportError("this model cannot be exported as GPT-2: " + "; ".join(problems))
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our state dict under GPT2LMHeadModel's names and layouts (the tied lm_head is left to ``tie_weights``)."""
+    ours = model.state_dict()
+    out = {
+        "transformer.wte.weight": ours["wte.weight"],
+        "transformer.wpe.weight": ours["wpe.weight"],
+        "transformer.ln_f.weight": ours["ln_f.weight"],
+        "transformer.ln_f.bias": ours["ln_f.bias"],
+    }
+    # (ours, GPT-2's, transposed: nn.Linear (out, in) -> Conv1D (in, out))
+    renames = (
+        ("ln_1", "ln_1", False),
+        ("ln_2", "ln_2", False),
+        ("attn.qkv", "attn.c_attn", True),
+        ("attn.proj", "attn.c_proj", True),
+        ("mlp.fc", "mlp.c_fc", True),
+        ("mlp.proj", "mlp.c_proj", True),
+    )
+    for i in range(model.config.n_layer):
+        for src, dst, transpose in renames:
+            weight = ours[f"blocks.{i}.{src}.weight"]
+            out[f"transformer.h.{i}.{dst}.weight"] = weight.t().contiguous() if transpose else weight
+            out[f"transformer.h.{i}.{dst}.bias"] = ours[f"blocks.{i}.{src}.bias"]
+    return {name: tensor.detach().clone() for name, tensor in out.items()}
+
+
+def to_gpt2(model: GPT, eot_id: int) -> Any:
+    """A ``transformers.GPT2LMHeadModel`` (eval mode) computing the same function as ``model``."""
+    transformers = _require_transformers()
+    check_expressible(model)
+    c = model.config
+    config = transformers.GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=4 * c.n_embd,
+        activation_function="gelu_new",  # GELU, tanh approximation: F.gelu(approximate="tanh") in train/model.py
+        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default, what train/model.py uses
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        architectures=["GPT2LMHeadModel"],
+    )
+    hf = transformers.GPT2LMHeadModel(config)
+    missing, unexpected = hf.load_state_dict(gpt2_state_dict(model), strict=False)
+    if unexpected or [name for name in missing if name != "lm_head.weight"]:
+        raise HFExportError(f"GPT-2 layout mismatch: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+@torch.no_grad()
+def max_logit_difference(model: GPT, hf: Any, tokens: torch.Tensor) -> float:
+    """max |ours - transformers'| over every position and vocabulary entry of ``tokens`` (B, T)."""
+    ours, _ = model.eval()(tokens)
+    theirs = hf(input_ids=tokens).logits
+    return float((ours.float() - theirs.float()).abs().max())
+
+
+def export_hf(model: GPT, tokenizer_path: Path, lineage: dict[str, Any], out: Path, probe: torch.Tensor) -> Path:
+    """Write the Hugging Face directory for ``model``; ``probe`` (1, T) token ids on which the converted model
+    must reproduce our logits before anything is written."""
+    transformers = _require_transformers()
+    from tokenizers import Tokenizer
+
+    eot_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT)
+    if eot_id is None:
+        raise HFExportError(f"{tokenizer_path} has no {EOT} token")
+    hf = to_gpt2(model, eot_id)
+    diff = max_logit_difference(model, hf, probe)
+    if diff > LOGITS_TOLERANCE:
+        raise HFExportError(f"the GPT-2 conversion does not reproduce the model's logits: max |Δ| {diff:.3g}")
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out), safe_serialization=True)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_path),
+        bos_token=EOT,
+        eos_token=EOT,
+        unk_token=EOT,  # byte-level BPE never produces an unknown token; GPT-2's tokenizer uses the same choice
+        model_max_length=model.config.block_size,
+    )
+    tokenizer.save_pretrained(str(out))
+    transformers.GenerationConfig(
+        bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id, max_length=model.config.block_size
+    ).save_pretrained(str(out))
+    (out / "lineage.json").write_text(
+        json.dumps({**lineage, "format": "hf", "hf_probe_max_abs_logit_diff": diff}, indent=2)
+    )
+    return out
