@@ -228,11 +228,18 @@ def _tail(path: Path, n: int = 40) -> str:
         return ""
 
 
+# The stages datatrove's side of the comparison does not run (URL filter, decontamination, PII masking) are off
+# in our runs, so both sides do the same work: extraction, language id, quality rules, exact + MinHash dedup.
+LIKE_FOR_LIKE = ("--set", "url_filter.enabled=false", "--set", "decontamination.enabled=false",
+                 "--set", "pii.enabled=false")
+
+
 def run_ours(input_dir: Path, out_dir: Path, config: Path, workers: int, log_path: Path) -> dict:
     """One ``python -m pipeline run`` from process start to exit; returns wall, driver peak RSS and report."""
     result_path = log_path.with_suffix(".rss.json")
     cmd = [sys.executable, "-c", _RSS_WRAPPER, str(result_path), "run", "--input", str(input_dir),
-           "--output", str(out_dir), "--config", str(config), "--num-cpus", str(workers), "--overwrite"]
+           "--output", str(out_dir), "--config", str(config), "--num-cpus", str(workers), "--overwrite",
+           *LIKE_FOR_LIKE]
     with open(log_path, "wb") as fh:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT, check=False)

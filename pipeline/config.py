@@ -10,11 +10,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.errors import PipelineInputError
 from pipeline.sources import RetryConfig
+from pipeline.steps.decontaminate import DecontaminationConfig
 from pipeline.steps.dedup import DedupConfig
 from pipeline.steps.extract import ExtractConfig
 from pipeline.steps.language import LanguageConfig
+from pipeline.steps.pii import PiiConfig
 from pipeline.steps.quality import QualityConfig
 from pipeline.steps.tokenize import TokenizeConfig
+from pipeline.steps.url_filter import UrlFilterConfig
 
 
 class ExecutionConfig(BaseModel):
@@ -39,8 +42,11 @@ class PipelineConfig(BaseModel):
 
     input: InputConfig = Field(default_factory=InputConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    url_filter: UrlFilterConfig = Field(default_factory=UrlFilterConfig)
     language: LanguageConfig = Field(default_factory=LanguageConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
+    decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
+    pii: PiiConfig = Field(default_factory=PiiConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)

@@ -1,8 +1,10 @@
 """Run the pipeline on Ray: the driver lists the inputs, schedules four passes and assembles manifest and report
 from small per-file summaries. Workers read the inputs and write every data file (see ``file_tasks``).
 
-1. filter    (Ray Data, one task per input file): read → extract → language → quality → dedup keys, persisted
-             as ``work/filtered/FFFFF.parquet``.
+1. filter    (Ray Data, one task per input file): read → extract → url_filter → language → quality →
+             decontamination → pii → dedup keys, persisted as ``work/filtered/FFFFF.parquet``. The URL blocklist
+             and the eval-set n-gram index are built once by the driver and put once in the object store; each
+             task gets references to them.
 2. dedup     (Ray Data over the persisted keys → index shard actors): LSH buckets, verified candidates, clusters
              by min-label propagation among the shards, decisions written by each shard.
 3. tokenize  (a worker trains the BPE on the kept text; Ray Data, one task per input file): decisions applied,
@@ -34,8 +36,10 @@ from pipeline.progress import PassProgress
 from pipeline.report import StageAccounting, print_summary, render_markdown, stage_rows
 from pipeline.sources import InputFile, list_inputs
 from pipeline.staging import RunStaging, write_json_atomic
+from pipeline.steps.decontaminate import build_index
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype
+from pipeline.steps.url_filter import load_blocklist
 from train.manifest import sha256_file
 
 log = logging.getLogger("pipeline")
@@ -75,9 +79,20 @@ class PipelineRun:
         self.output = Path(output)
         self.console = console or Console(stderr=True)
         self.pass_seconds: dict[str, float] = {}
+        # Built once per run, here in the driver before Ray starts (a missing file fails fast, naming it), and
+        # shared with the workers through the object store (see _run_into).
+        url = config.url_filter
+        self.blocklist = load_blocklist(url.blocklist) if url.enabled and url.blocklist else None
+        self.contamination = build_index(config.decontamination)
+        # The files' hashes join the config in the resume check: the same path with new content is another run.
+        self.resources = {
+            "url_blocklist": self.blocklist.describe() if self.blocklist else None,
+            # Keyed by name, so a changed file is named in the resume error ("eval_sets.gsm8k.sha256: …").
+            "eval_sets": {e["name"]: e for e in self.contamination.describe()} if self.contamination else {},
+        }
         # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
         self.staging = RunStaging(self.output, config.model_dump(mode="json"), [f.uri for f in self.files],
-                                  overwrite, resume)
+                                  overwrite, resume, resources=self.resources)
 
     def _say(self, msg: str) -> None:
         self.console.print(f"[bold cyan]pipeline[/] {msg}")
@@ -194,7 +209,11 @@ class PipelineRun:
         paths = staging.paths
         items = [{"index": i, "uri": f.uri, "size": f.size or 0} for i, f in enumerate(self.files)]
         self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
-        filtered = self._map_files(staging, "filter", filter_file, items, {"paths": paths, "config": cfg}, True)
+        # One ray.put per run; every filter task gets the references and reads the arrays from the object store.
+        shared = {"blocklist": None if self.blocklist is None else ray.put(self.blocklist),
+                  "contamination": None if self.contamination is None else ray.put(self.contamination)}
+        filtered = self._map_files(staging, "filter", filter_file, items, {"paths": paths, "config": cfg, **shared},
+                                   True)
         dedup = self._dedup(staging, items, filtered)
         tokenizer, tokenizer_seconds = self._tokenizer(staging, items)
         tokenized = self._map_files(staging, "tokenize", tokenize_file, items,
@@ -212,6 +231,8 @@ class PipelineRun:
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
         acc = StageAccounting()
+        for name in self.resources["eval_sets"]:
+            acc.counts["decontamination"][name] += 0  # a set nothing matched is listed, with 0
         for s in filtered:
             acc.add_summary(s)
         for s in tokenized:
@@ -232,6 +253,7 @@ class PipelineRun:
             "dtype": dtype.name,
             "shards": shards,
             "sources": sources,
+            "resources": self.resources,
             "config": self.config.model_dump(mode="json"),
         }
         report = {
@@ -247,6 +269,15 @@ class PipelineRun:
                 "wall_seconds": round(wall, 3),
             },
             "passes": {name: round(s, 3) for name, s in self.pass_seconds.items()},
+            "url_filter": {"blocklist": self.resources["url_blocklist"],
+                           "banned_substrings": len(self.config.url_filter.banned_substrings)},
+            "decontamination": {
+                "action": self.config.decontamination.action,
+                "ngram": self.config.decontamination.ngram,
+                "min_matches": self.config.decontamination.min_matches,
+                "eval_sets": [{**e, "matched_docs": acc.counts["decontamination"][e["name"]]}
+                              for e in self.resources["eval_sets"].values()],
+            },
             "dedup": {
                 "candidate_pairs": sum(s["candidates"] for s in shard_stats),
                 "verified_pairs": sum(s["verified"] for s in shard_stats),

@@ -1,8 +1,8 @@
 """The work of one input file in each pass, run in Ray workers; each writes its own output into the staging
 directory and returns only a small summary (counts, seconds, hashes) to the driver.
 
-* :func:`filter_file` — read (local or remote, retried), extract → language → quality, dedup keys; writes
-  ``work/filtered/FFFFF.parquet``.
+* :func:`filter_file` — read (local or remote, retried), extract → url_filter → language → quality →
+  decontamination → pii (:func:`filter_steps`), dedup keys; writes ``work/filtered/FFFFF.parquet``.
 * :func:`index_keys` — a batch of persisted keys into the dedup index shards (Ray actors).
 * :func:`tokenize_file` — apply the dedup decisions, tokenize, write ``rejected/`` parts and token pieces.
 * :func:`train_tokenizer_on_kept` — the BPE on the kept text, in file order.
@@ -28,17 +28,43 @@ import pyarrow.parquet as pq
 from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.output import PieceWriter, RejectedWriter
-from pipeline.schema import FILTERED_SCHEMA, to_table
+from pipeline.report import count_annotations
+from pipeline.schema import FILTERED_SCHEMA, STAGES, to_table
 from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths, temp_name, write_json_atomic
-from pipeline.steps.base import Doc, is_dropped
+from pipeline.steps.base import Doc, Step, is_dropped
+from pipeline.steps.decontaminate import ContaminationIndex, Decontaminate
 from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch, shard_part
 from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
 from pipeline.steps.language import LanguageFilter
+from pipeline.steps.pii import MaskPii
 from pipeline.steps.quality import QualityFilter
 from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
+from pipeline.steps.url_filter import UrlBlocklist, UrlFilter
 
-FILTER_STAGES = ("extract", "language", "quality")
+# The stages the filter pass runs (and counts); the tokenize pass counts the rest.
+FILTER_STAGES = STAGES[: STAGES.index("dedup_exact")]
+
+
+def filter_steps(config: PipelineConfig, blocklist: UrlBlocklist | None = None,
+                 contamination: ContaminationIndex | None = None) -> list[Step]:
+    """The steps after extract, in order (``STAGES``). The URL blocklist and the eval-set index are built once by
+    the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests."""
+    return [
+        UrlFilter(config.url_filter, blocklist),
+        LanguageFilter(config.language),
+        QualityFilter(config.quality),
+        Decontaminate(config.decontamination, contamination),
+        MaskPii(config.pii),
+    ]
+
+
+def _resolved(value: Any) -> Any:
+    """A value the driver put in the Ray object store, fetched (numpy arrays in it are read in place, not copied);
+    anything else as is, so the tasks also run in-process with plain objects."""
+    import ray
+
+    return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
 def reports_input_errors(fn: Callable[..., dict]) -> Callable[..., dict]:
@@ -111,13 +137,16 @@ def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: Counte
 
 
 @reports_input_errors
-def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
-    """Pass 1 for one input file; returns its summary (also written as the file's marker)."""
+def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: Any = None,
+                contamination: Any = None) -> dict:
+    """Pass 1 for one input file; returns its summary (also written as the file's marker). ``blocklist`` and
+    ``contamination`` are object references (or None) to what the driver built once for the run."""
     index, uri = item["index"], item["uri"]
     seconds: Counter = Counter()
     drops: Counter = Counter()
+    counts: Counter = Counter()
     records = 0
-    steps = [LanguageFilter(config.language), QualityFilter(config.quality)]
+    steps = filter_steps(config, _resolved(blocklist), _resolved(contamination))
     keys = DedupKeys(config.dedup)
     out = paths.filtered(index)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +163,7 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
             seconds["dedup_keys"] += time.perf_counter() - started
             records += len(block)
             drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
+            counts.update(count_annotations(block))
             writer.write_table(to_table(block, FILTERED_SCHEMA))
     tmp.replace(out)
     summary = {
@@ -145,6 +175,7 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig) -> dict:
         "records": records,
         "alive": records - sum(drops.values()),
         "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
+        "counts": [[stage, key, n] for (stage, key), n in sorted(counts.items())],
         "seconds": dict(seconds),
     }
     write_json_atomic(paths.done(f"filter-{index:05d}"), summary)

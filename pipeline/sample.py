@@ -10,6 +10,7 @@ import pyarrow.dataset as pads
 from rich.console import Console
 from rich.panel import Panel
 
+from pipeline.steps.pii import PII_TYPES
 from pipeline.steps.quality import QUALITY_SIGNALS
 
 
@@ -40,6 +41,11 @@ def print_sample(output: str, n: int, rejected: bool, stage: str | None, reason:
             f"{k}={row[k]:.3g}" for k in QUALITY_SIGNALS if row.get(k) is not None
         )
         head = f"{row['url']}\n{row['warc_record_id']}  language={row['language']} ({row['language_score'] or 0:.2f})"
+        masked = ", ".join(f"{k}={row.get(f'pii_{k}')}" for k in PII_TYPES if row.get(f"pii_{k}"))
+        if masked:
+            head += f"  pii: {masked}"
+        if row.get("contamination"):
+            head += f"  [yellow]contamination: {row['contamination']}[/]"
         if rejected:
             head += f"\n[red]{row['stage']}: {row['reason']}[/]"
             if row.get("duplicate_of"):

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from pipeline.steps.pii import PII_COLUMNS
 from pipeline.steps.quality import QUALITY_SIGNALS
 
-# Stage order is the order of the report.
-STAGES = ("extract", "language", "quality", "dedup_exact", "dedup_minhash", "tokenize")
+# Stage order is the order of the report and of the steps (pipeline.file_tasks.filter_steps runs the ones before
+# dedup). url_filter comes right after extract: it needs only the URL and spares blocked pages every later step.
+STAGES = ("extract", "url_filter", "language", "quality", "decontamination", "pii", "dedup_exact", "dedup_minhash",
+          "tokenize")
 
 RECORD_FIELDS = [
     pa.field("source", pa.string()),
@@ -25,6 +28,12 @@ RECORD_FIELDS = [
     pa.field("language_score", pa.float64()),
 ]
 SIGNAL_FIELDS = [pa.field(name, pa.float64()) for name in QUALITY_SIGNALS]
+# What decontamination and PII masking found: the eval sets a document matched (comma-separated, null when none
+# or the stage is off; kept documents carry it under ``action: flag``) and the placeholders of each PII type.
+ANNOTATION_FIELDS = [
+    pa.field("contamination", pa.string()),
+    *(pa.field(name, pa.int64()) for name in PII_COLUMNS),
+]
 DECISION_FIELDS = [
     pa.field("stage", pa.string()),
     pa.field("reason", pa.string()),
@@ -39,13 +48,16 @@ DEDUP_FIELDS = [
     pa.field("shingles", pa.list_(pa.uint64())),  # sorted shingle hashes, only when minhash.verify = jaccard
 ]
 
-DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS])
-# work/filtered/NNNNN.parquet: every record of one input file after extract → language → quality, with keys.
-FILTERED_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *DEDUP_FIELDS])
+DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD,
+                        *WORK_FIELDS])
+# work/filtered/NNNNN.parquet: every record of one input file after the filter steps (extract … pii), with keys.
+FILTERED_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD,
+                             *DEDUP_FIELDS])
 
-# documents/*.parquet and rejected/*.parquet (DESIGN.md): provenance, language, signals, text (+ decision).
-KEPT_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS)] + ["split", "text"]
-REJECTED_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS, *DECISION_FIELDS)] + ["text"]
+# documents/*.parquet and rejected/*.parquet (docs/formats.md): provenance, language, signals, annotations, text
+# (+ decision).
+KEPT_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS)] + ["split", "text"]
+REJECTED_COLUMNS = [f.name for f in (*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS)] + ["text"]
 
 
 def to_table(rows: list[dict], schema: pa.Schema = DOC_SCHEMA) -> pa.Table:

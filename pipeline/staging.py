@@ -22,7 +22,8 @@ from typing import Any
 from pipeline.errors import PipelineInputError, PipelineOutputError
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+# 2: url_filter, decontamination and pii stages (new columns in work/filtered/) and the resources check.
+STATE_VERSION = 2
 
 
 def temp_name(final: Path) -> Path:
@@ -84,7 +85,8 @@ class RunPaths:
 class RunStaging:
     """The staging directory of one output; see the module docstring."""
 
-    def __init__(self, output: Path, config: dict, inputs: list[str], overwrite: bool, resume: bool) -> None:
+    def __init__(self, output: Path, config: dict, inputs: list[str], overwrite: bool, resume: bool,
+                 resources: dict | None = None) -> None:
         self.output = output
         if output.exists() and not output.is_dir():
             raise PipelineOutputError(f"{output}: exists and is not a directory")
@@ -100,7 +102,8 @@ class RunStaging:
         self.path = parent / f".{output.name}.staging"
         self.paths = RunPaths(self.path)
         self.work = self.paths.work
-        state = {"version": STATE_VERSION, "config": config, "inputs": inputs}
+        # resources: what the config's files held (URL blocklist, eval sets: path, sha256, sizes).
+        state = {"version": STATE_VERSION, "config": config, "inputs": inputs, "resources": resources or {}}
         state_file = self.path / "state.json"
         self.resumed = False
         if self.path.exists():
@@ -137,6 +140,11 @@ class RunStaging:
         inputs = _input_difference(old["inputs"], state["inputs"])
         if inputs:
             raise PipelineInputError(f"cannot resume: {inputs}")
+        changed = _differences(old.get("resources", {}), state["resources"])
+        if changed:
+            raise PipelineInputError(
+                "cannot resume: a file the config names has changed since the unfinished run: " + "; ".join(changed[:5])
+            )
 
     def is_done(self, name: str) -> bool:
         return self.paths.done(name).is_file()

@@ -55,7 +55,8 @@ def test_every_record_is_kept_or_rejected_exactly_once(sample_run):
     by_stage = Counter(rejected["stage"].to_pylist())
     assert by_stage == {s["name"]: s["dropped"] for s in report["stages"] if s["dropped"]}
     assert [s["name"] for s in report["stages"]] == [
-        "extract", "language", "quality", "dedup_exact", "dedup_minhash", "tokenize"
+        "extract", "url_filter", "language", "quality", "decontamination", "pii", "dedup_exact", "dedup_minhash",
+        "tokenize"
     ]
     for s in report["stages"]:
         assert s["docs_in"] - s["dropped"] == s["docs_out"] and sum(s["reasons"].values()) == s["dropped"]
@@ -73,6 +74,14 @@ def test_real_sample_behaves_as_expected(sample_run):
     kept_ids = {r["warc_record_id"] for r in kept}
     assert all(r["duplicate_of"] in kept_ids for r in dups)
     assert all(r["language"] == "en" and r["language_score"] >= 0.65 for r in kept)
+    # The demo config's data-safety stages: its blocklist names sample domains, GSM8K is checked, PII counted.
+    assert stages["url_filter"]["reasons"].get("url:blocklist", 0) >= 3
+    assert all(r["language"] is None for r in rejected if r["stage"] == "url_filter")  # dropped before language id
+    (gsm8k,) = report["decontamination"]["eval_sets"]
+    assert gsm8k["items"] == 1319 and gsm8k["matched_docs"] == stages["decontamination"]["counts"].get("gsm8k", 0)
+    assert set(stages["pii"]["counts"]) == {"email", "ip_address", "phone", "secret"}
+    assert sum(r["pii_ip_address"] or 0 for r in kept) + sum(r["pii_ip_address"] or 0 for r in rejected) == \
+        stages["pii"]["counts"]["ip_address"]
 
 
 def test_manifest_and_shards_agree(sample_run):

@@ -125,10 +125,12 @@ def shingle_hashes(text: str, n: int) -> np.ndarray:
     Written with numpy rather than hashing each n-gram string (datasketch hashes every shingle with sha1 in
     Python, the pipeline's slowest step): each word is hashed once, n-grams are combined vectorised.
     """
-    return _shingle_hashes_of(normalise(text), n)
+    return ngram_hashes(normalise(text), n)
 
 
-def _shingle_hashes_of(normalised: str, n: int) -> np.ndarray:
+def ngram_hashes(normalised: str, n: int) -> np.ndarray:
+    """:func:`shingle_hashes` of text already passed through :func:`normalise` (decontamination hashes eval
+    items and documents with it too, so their n-grams meet in the same hash space)."""
     words = normalised.split()
     if not words:
         return np.zeros(1, dtype=np.uint64)
@@ -180,7 +182,7 @@ class DedupKeys:
     def keys(self, text: str) -> tuple[bytes, np.ndarray, np.ndarray | None]:
         """(exact key, signature, shingle hashes when ``verify: jaccard`` else None) of one document."""
         normalised = normalise(text)
-        hashes = _shingle_hashes_of(normalised, self.config.minhash.ngram)
+        hashes = ngram_hashes(normalised, self.config.minhash.ngram)
         sketch = hashes if self.config.minhash.verify == "jaccard" else None
         return _exact_key_of(normalised), self.signature_of(hashes), sketch
 
