@@ -17,8 +17,14 @@ from typing import Any
 from serve.config import (
     DEFAULT_AUTOSCALING,
     DEFAULT_CANARY_INTERVAL_S,
+    DEFAULT_CHAT_ASSISTANT_PREFIX,
+    DEFAULT_CHAT_MESSAGE_TEMPLATE,
+    DEFAULT_CHAT_STOP,
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_CHOICES,
     DEFAULT_MAX_ONGOING_REQUESTS,
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_SD_DIR,
     AppArgs,
 )
@@ -43,6 +49,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-sd-dir",
         default=str(DEFAULT_SD_DIR),
         help="where replicas write Prometheus file_sd targets (default: $RAYLM_PROM_SD_DIR or %(default)s)",
+    )
+    caps = parser.add_argument_group("request caps (checked before any work is done for a request)")
+    caps.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request body limit; larger bodies get 413 (%(default)s)",
+    )
+    caps.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="characters over a request's prompts or chat messages; more gets 400 (%(default)s)",
+    )
+    caps.add_argument(
+        "--max-choices", type=int, default=DEFAULT_MAX_CHOICES, help="prompts x n per request (%(default)s)"
+    )
+    chat = parser.add_argument_group("chat prompt format (/v1/chat/completions on a base model)")
+    chat.add_argument(
+        "--chat-message-template",
+        default=DEFAULT_CHAT_MESSAGE_TEMPLATE,
+        help="str.format template for each message, with {role} and {content} (default: %(default)r)",
+    )
+    chat.add_argument(
+        "--chat-assistant-prefix",
+        default=DEFAULT_CHAT_ASSISTANT_PREFIX,
+        help="appended after the messages; the model continues from it (default: %(default)r)",
+    )
+    chat.add_argument(
+        "--chat-stop",
+        action="append",
+        help=f"stop string ending the assistant's turn, repeatable (default: {list(DEFAULT_CHAT_STOP)!r})",
     )
     parser.add_argument("--canary-evalset", help="JSONL eval set: also deploy the scheduled canary")
     interval = DEFAULT_CANARY_INTERVAL_S
@@ -76,6 +114,12 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "replica_cpus": args.replica_cpus,
         "metrics_host": "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host,
         "metrics_sd_dir": args.metrics_sd_dir,
+        "max_request_bytes": args.max_request_bytes,
+        "max_prompt_chars": args.max_prompt_chars,
+        "max_choices": args.max_choices,
+        "chat_message_template": args.chat_message_template,
+        "chat_assistant_prefix": args.chat_assistant_prefix,
+        "chat_stop": list(args.chat_stop if args.chat_stop is not None else DEFAULT_CHAT_STOP),
     }
     if args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
@@ -120,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "endpoint": f"{base}/v1/completions",
+                "chat": f"{base}/v1/chat/completions",
                 "models": f"{base}/v1/models",
                 "prometheus_file_sd": args.metrics_sd_dir,
             }

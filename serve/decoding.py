@@ -126,7 +126,9 @@ class TokenLogprob:
 
 
 @torch.inference_mode()
-def log_probs(logits: torch.Tensor, targets: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``logits`` (N, vocab) -> log p of ``targets`` (N,) and each row's top ``k`` (values, ids), (N, k).
 
     fp32 ``log_softmax`` whatever the model's dtype, so bf16 serving reports the same numbers as fp32 scoring.

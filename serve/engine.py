@@ -8,9 +8,16 @@ not tokens).
 
 Threading: the forward passes are blocking torch calls, so they run on one worker thread
 (``run_in_executor``) while the event loop keeps serving HTTP, streaming chunks and accepting requests.
-Only the loop task touches the running set and the cache, so admission, cancellation and slot freeing
-need no locks. A cancelled request (client disconnect) is only *marked*; the loop frees its slot
+Everything per token that costs CPU happens on that thread too: sampling, log-probabilities,
+detokenization and stop-string search; the loop only hands the finished events to their consumers.
+Only the loop task touches the running set and the cache slots, so admission, cancellation and slot
+freeing need no locks; a sequence's decoding state (tokens, text) is touched only by the worker, between
+two awaits of the loop. A cancelled request (client disconnect) is only *marked*; the loop frees its slot
 before the next step. An exception in a step fails the requests of that step, never the loop.
+
+Tokenizing runs on the default executor (``tokenize``), not the engine's thread: a long prompt must not
+hold up everyone's decode step. It uses ``Tokenizer.encode_batch``, which releases the GIL; ``encode``
+does not, and a 1 MB prompt encoded on any thread stalled the event loop for its whole ~1.9 s.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 
 from serve.config import DEFAULT_MAX_BATCH_SIZE
-from serve.decoding import KVCache, decode, prefill, sample, token_logprobs
+from serve.decoding import KVCache, TokenLogprob, decode, prefill, sample, token_logprob_entries, token_logprobs
 from serve.detok import TextStream
 from serve.model_dir import LoadedModel
 
@@ -43,6 +50,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities of generated tokens with this many alternatives each (None: none). With
+    # prompt_logprobs, the prompt's tokens get them too, from the prefill logits (echo).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -54,6 +65,10 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     scheduled_at: float | None = None  # monotonic time the request got a slot (first event only)
+    # The token this event adds, when logprobs were asked for. The end-of-text token that stops a sequence
+    # is included (a scorer asking for one token must get one), though it is neither text nor counted.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # first event only, with params.prompt_logprobs
 
 
 @dataclass
@@ -118,14 +133,30 @@ class Engine:
             return None
         return task.exception()
 
+    def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """Prompt token ids, each after the end-of-text token that starts every document in training data.
+
+        ``encode_batch`` because it releases the GIL while it works (``encode`` holds it); call it off the
+        event loop, through ``tokenize``, in a server.
+        """
+        return [[self.loaded.eot_id, *enc.ids] for enc in self.loaded.tokenizer.encode_batch(texts)]
+
     def encode_prompt(self, text: str) -> list[int]:
-        """Prompt token ids, after the end-of-text token that starts every document in training data."""
-        return [self.loaded.eot_id, *self.loaded.tokenizer.encode(text).ids]
+        return self.encode_prompts([text])[0]
+
+    async def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """``encode_prompts`` on the default executor: neither the event loop nor the decode thread waits."""
+        return await asyncio.to_thread(self.encode_prompts, texts)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, arrival: float) -> AsyncIterator[Event]:
-        """Stream events for one request; closing or cancelling the iterator aborts it and frees its slot."""
-        if len(prompt_ids) - 1 + params.max_tokens > self.loaded.block_size:
-            raise ValueError("prompt and max_tokens exceed the context")  # the app checks this first, with a 400
+        """Stream events for one request; closing or cancelling the iterator aborts it and frees its slot.
+
+        ``max_tokens`` 0 runs the prefill only (for ``prompt_logprobs``) and finishes with "length".
+        """
+        # The end-of-text start token takes a position; so does every generated token but the last, which is
+        # never fed back. The app checks this first, with a 400.
+        if len(prompt_ids) + max(params.max_tokens, 1) - 1 > self.loaded.block_size:
+            raise ValueError("prompt and max_tokens exceed the context")
         seq = _Sequence(
             prompt_ids=prompt_ids,
             params=params,
@@ -148,13 +179,12 @@ class Engine:
                 seq.cancelled = True
                 self._wake()
 
-    async def score(self, text: str) -> tuple[list[int], list[float]]:
-        """Token ids of ``text`` and log p of each given the document start, on the engine's thread."""
-        ids = self.encode_prompt(text)
+    async def score(self, ids: list[int]) -> list[float]:
+        """log p of each of ``ids[1:]`` given what precedes it (``ids`` from ``tokenize``), on the engine's thread."""
         loop = asyncio.get_running_loop()
         tensor = torch.tensor(ids, device=self.device)
         logps = await loop.run_in_executor(self._executor, token_logprobs, self.model, tensor)
-        return ids[1:], logps.cpu().tolist()
+        return logps.cpu().tolist()
 
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
@@ -225,20 +255,35 @@ class Engine:
         except Exception as exc:  # a failing step fails its requests, never the replica
             log.exception("engine step failed")
             for seq in seqs:
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                self._deliver(seq, Event("", seq.completion_tokens, "error", error=f"{type(exc).__name__}: {exc}"))
                 self.stats.failed += 1
             return
-        for seq, token in results:
-            self._accept(seq, token)
+        for seq, event in results:
+            self._deliver(seq, event)
 
-    def _prefill_step(self, seq: _Sequence) -> list[tuple[_Sequence, int]]:
+    # ---- worker thread: one forward pass, then each sequence's token, logprobs and text ------------------
+
+    def _prefill_step(self, seq: _Sequence) -> list[tuple[_Sequence, Event]]:
         ids = torch.tensor(seq.prompt_ids, device=self.device)
-        # Sampling runs on the CPU, where the per-request torch.Generator lives: one vocab-sized copy per token.
-        logits = prefill(self.model, self.cache, seq.slot, ids)[-1].cpu()
+        logits = prefill(self.model, self.cache, seq.slot, ids)
         seq.position = len(seq.prompt_ids)
-        return [(seq, sample(logits, seq.params.temperature, seq.params.top_p, seq.generator))]
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs and len(ids) > 1:
+            # ids[0] is the document-start token, not the client's: the client's first token gets no logprob
+            # (OpenAI's convention), each later one is scored by the logits at the position before it.
+            first = TokenLogprob(int(ids[1]), None)
+            prompt_logprobs = [first, *token_logprob_entries(logits[1:-1], ids[2:], seq.params.logprobs or 0)]
+        elif seq.params.prompt_logprobs:
+            prompt_logprobs = []
+        if seq.params.max_tokens == 0:
+            event = Event("", 0, "length", scheduled_at=seq.scheduled_at)
+        else:
+            # Sampling runs on the CPU, where the per-request torch.Generator lives: one vocab-sized copy per token.
+            event = self._advance(seq, logits[-1:].cpu())
+        event.prompt_logprobs = prompt_logprobs
+        return [(seq, event)]
 
-    def _decode_step(self, batch: list[_Sequence]) -> list[tuple[_Sequence, int]]:
+    def _decode_step(self, batch: list[_Sequence]) -> list[tuple[_Sequence, Event]]:
         slots = torch.tensor([s.slot for s in batch], device=self.device)
         positions = torch.tensor([s.position for s in batch], device=self.device)
         tokens = torch.tensor([s.last_token for s in batch], device=self.device)
@@ -249,41 +294,42 @@ class Engine:
         out = []
         for i, seq in enumerate(batch):
             seq.position += 1
-            out.append((seq, sample(logits[i], seq.params.temperature, seq.params.top_p, seq.generator)))
+            out.append((seq, self._advance(seq, logits[i : i + 1])))
         return out
 
-    def _accept(self, seq: _Sequence, token: int) -> None:
-        """Record a sampled token; emits text and decides whether the sequence is done."""
-        if seq.finished or seq.cancelled:
-            return
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> Event:
+        """Sample the next token from (1, vocab) logits and turn it into the sequence's next event."""
+        params = seq.params
+        token = sample(logits[0], params.temperature, params.top_p, seq.generator)
         first = seq.completion_tokens == 0
         scheduled = seq.scheduled_at if first else None
-        if token == self.loaded.eot_id and not seq.params.ignore_eos:
-            # The end-of-text token is a stop, not output (OpenAI does not count or return it either).
-            self._finish(seq, "stop", scheduled_at=scheduled)
-            return
+        logprobs = []
+        if params.logprobs is not None:
+            logprobs = token_logprob_entries(logits, torch.tensor([token]), params.logprobs)
+        if token == self.loaded.eot_id and not params.ignore_eos:
+            # The end-of-text token is a stop, not output (OpenAI does not count or return it as text either).
+            return Event("", seq.completion_tokens, "stop", scheduled_at=scheduled, logprobs=logprobs)
         seq.completion_tokens += 1
         seq.last_token = token
         text = seq.stream.push(token)
         if seq.stream.stopped:
-            self._finish(seq, "stop", text=text, scheduled_at=scheduled)
-        elif seq.completion_tokens >= seq.params.max_tokens:
-            self._finish(seq, "length", text=text + seq.stream.flush(), scheduled_at=scheduled)
+            reason = "stop"
+        elif seq.completion_tokens >= params.max_tokens:
+            reason, text = "length", text + seq.stream.flush()
         else:
-            seq.events.put_nowait(Event(text, seq.completion_tokens, scheduled_at=scheduled))
+            reason = None
+        return Event(text, seq.completion_tokens, reason, scheduled_at=scheduled, logprobs=logprobs)
 
-    def _finish(
-        self,
-        seq: _Sequence,
-        reason: str,
-        text: str = "",
-        error: str | None = None,
-        scheduled_at: float | None = None,
-    ) -> None:
-        seq.finished = True
-        self.stats.finished += 1
-        self._release(seq)
-        seq.events.put_nowait(Event(text, seq.completion_tokens, reason, error=error, scheduled_at=scheduled_at))
+    # ---- event loop: hand events over, free slots -------------------------------------------------------
+
+    def _deliver(self, seq: _Sequence, event: Event) -> None:
+        if seq.finished or seq.cancelled:
+            return
+        if event.finish_reason is not None:
+            seq.finished = True
+            self.stats.finished += 1
+            self._release(seq)
+        seq.events.put_nowait(event)
 
     def _release(self, seq: _Sequence) -> None:
         if seq.slot >= 0 and self.running.get(seq.slot) is seq:

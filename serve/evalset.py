@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,23 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[: cut if cut > max_chars // 2 else max_chars]
 
 
+def fit_tokens(text: str, count_tokens: Callable[[str], int], max_tokens: int) -> str:
+    """The longest prefix of ``text`` ending at a whitespace (or the whole text) with at most ``max_tokens``
+    tokens: an item that fits one context window is scored the same way by every scorer (our /v1/score, the
+    harness's rolling windows), with no windowing choices between them."""
+    if count_tokens(text) <= max_tokens:
+        return text
+    cuts = [i for i, ch in enumerate(text) if ch.isspace()]
+    lo, hi = 0, len(cuts)  # binary search for the number of usable cut points
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count_tokens(text[: cuts[mid - 1]]) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[: cuts[lo - 1]] if lo else ""
+
+
 def version_of(texts: list[str]) -> str:
     digest = hashlib.sha256()
     for text in texts:
@@ -62,7 +80,11 @@ def build_evalset(
     items: int = 16,
     min_chars: int = 200,
     max_chars: int = 1200,
+    max_tokens: int | None = None,
 ) -> EvalSet:
+    """The first ``items`` val documents of ``min_chars``+ characters, cut to ``max_chars`` (and, given
+    ``max_tokens``, to that many tokens of the data dir's tokenizer), written to ``output`` as JSONL."""
+    count_tokens = _token_counter(data_dir) if max_tokens is not None else None
     files = sorted((Path(data_dir) / "documents").glob("val-*.parquet"))
     if not files:
         raise EvalSetError(f"{data_dir}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
@@ -71,7 +93,10 @@ def build_evalset(
         texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
         for row, text in enumerate(texts):
             if text and len(text.strip()) >= min_chars:
-                picked.append((f"{path.stem}:{row}", _truncate(text.strip(), max_chars)))
+                cut = _truncate(text.strip(), max_chars)
+                if count_tokens is not None and max_tokens is not None:
+                    cut = fit_tokens(cut, count_tokens, max_tokens)
+                picked.append((f"{path.stem}:{row}", cut))
             if len(picked) == items:
                 break
         if len(picked) == items:
@@ -87,6 +112,15 @@ def build_evalset(
             line["source"] = str(Path(data_dir).resolve())
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")
     return EvalSet(name, version, tuple(EvalItem(i, t) for i, t in picked))
+
+
+def _token_counter(data_dir: str | Path) -> Callable[[str], int]:
+    from tokenizers import Tokenizer
+
+    from train.manifest import load_manifest
+
+    tokenizer = Tokenizer.from_file(str(load_manifest(data_dir).tokenizer_path))
+    return lambda text: len(tokenizer.encode(text).ids)
 
 
 def load_evalset(path: str | Path) -> EvalSet:

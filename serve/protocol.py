@@ -48,11 +48,10 @@ def _valid_unicode(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise PydanticCustomError(
-            "invalid_unicode",
-            "contains a lone UTF-16 surrogate (U+{code:04X} at character {position}); text must be valid Unicode",
-            {"code": ord(value[exc.start]), "position": exc.start},
-        ) from None
+        code, position = ord(value[exc.start]), exc.start
+        # Formatted here: pydantic's message templates take {name} placeholders, not format specs.
+        message = f"contains a lone UTF-16 surrogate (U+{code:04X} at character {position}); text must be valid Unicode"
+        raise PydanticCustomError("invalid_unicode", message) from None
     return value
 
 
@@ -71,15 +70,10 @@ class _Request(BaseModel):
     def _null_means_default(cls, data: Any) -> Any:
         # OpenAI's SDKs and clients send explicit nulls for unset optional fields; they mean "the default".
         # Required fields keep their null, which then fails as a type error.
-        if isinstance(data, dict):
-            return {
-                k: v for k, v in data.items() if not (v is None and k in cls.model_fields and not _required(cls, k))
-            }
-        return data
-
-
-def _required(cls: type[BaseModel], name: str) -> bool:
-    return cls.model_fields[name].is_required()
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Request):

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,8 +152,11 @@ def worse_export_dir(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @contextlib.contextmanager
-def running_app(app_args: dict, app_name: str = "raylm", port: int | None = None) -> Iterator[str]:
-    """A local Ray (2 CPUs) with Serve's HTTP proxy on a free loopback port, running build_app(app_args).
+def running_app(
+    app_args: dict, app_name: str = "raylm", port: int | None = None, build: Callable[[dict], Any] | None = None
+) -> Iterator[str]:
+    """A local Ray (2 CPUs) with Serve's HTTP proxy on a free loopback port, running build_app(app_args)
+    (or ``build(app_args)``, a test's variant of it).
 
     Yields the base URL. Module-scoped fixtures use it, so each test module pays one Ray start.
     """
@@ -165,7 +169,7 @@ def running_app(app_args: dict, app_name: str = "raylm", port: int | None = None
     try:
         port = port or free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args), name=app_name, route_prefix="/")
+        serve.run((build or build_app)(app_args), name=app_name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception):

@@ -60,6 +60,23 @@ def test_cli_set_overrides_any_app_arg_and_is_validated() -> None:
         app_args(parse_args(["--model", "m", "--set", "max_batch_size"]))
 
 
+def test_request_caps_and_chat_template_flags_default_to_serve_config() -> None:
+    defaults = AppArgs.model_validate(app_args(parse_args(["--model", "m"])))
+    assert defaults.max_request_bytes == serve_defaults.DEFAULT_MAX_REQUEST_BYTES
+    assert defaults.max_prompt_chars == serve_defaults.DEFAULT_MAX_PROMPT_CHARS
+    assert defaults.max_choices == serve_defaults.DEFAULT_MAX_CHOICES
+    assert defaults.chat_message_template == serve_defaults.DEFAULT_CHAT_MESSAGE_TEMPLATE
+    assert defaults.chat_stop == serve_defaults.DEFAULT_CHAT_STOP
+    flags = ["--model", "m", "--max-prompt-chars", "10", "--chat-message-template", "<{role}>{content}</{role}>"]
+    built = AppArgs.model_validate(app_args(parse_args([*flags, "--chat-stop", "</", "--chat-stop", "\n\n"])))
+    assert built.max_prompt_chars == 10 and built.chat_stop == ("</", "\n\n")
+    # A template naming anything but {role} and {content} fails when the app is built, not on the first request.
+    with pytest.raises(ConfigError, match="chat_message_template"):
+        app_args(parse_args(["--model", "m", "--chat-message-template", "{speaker}: {content}"]))
+    with pytest.raises(ConfigError, match="chat_message_template"):
+        app_args(parse_args(["--model", "m", "--set", "chat_message_template={role}"]))
+
+
 def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "serve", "--model", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120

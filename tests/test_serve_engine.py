@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serve.decoding import KVCache, decode, prefill, sample, token_logprobs
-from serve.detok import TextStream
+from serve.detok import TextOffsets, TextStream, TokenBytes
 from serve.engine import Engine, SamplingParams
 from serve.model_dir import ModelDirError, load_model_dir
 from train.model import GPT, GPTConfig
@@ -214,6 +214,55 @@ def test_stop_sequence_and_eos_end_generation(loaded) -> None:
     free, stop, stopped = asyncio.run(run())
     assert stopped[1] == "stop"
     assert stopped[0] == free[0][: free[0].index(stop)]
+
+
+def test_logprobs_are_the_forward_pass_log_softmax_for_prompt_and_generated_tokens(loaded) -> None:
+    """Echo scoring (prefill logits) and greedy generation (decode logits) report log_softmax(GPT.forward)."""
+    prompt = "The city council met on"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=True)
+
+    async def run() -> list:
+        engine = Engine(loaded, max_batch_size=2)
+        ids = engine.encode_prompt(prompt)
+        events = [e async for e in engine.generate(ids, params, time.monotonic())]
+        scored_only = [e async for e in engine.generate(ids, SamplingParams(0, logprobs=0, prompt_logprobs=True), 0.0)]
+        await engine.shutdown()
+        return ids, events, scored_only
+
+    ids, events, scored_only = asyncio.run(run())
+    generated = [lp for e in events for lp in e.logprobs]
+    full = ids + [lp.token for lp in generated]
+    with torch.no_grad():
+        logits, _ = loaded.model(torch.tensor([full[:-1]]))
+    want = torch.log_softmax(logits[0].float(), -1)  # row t predicts full[t + 1]
+    prompt_lps = events[0].prompt_logprobs
+    assert [lp.token for lp in prompt_lps] == ids[1:] and prompt_lps[0].logprob is None  # OpenAI: first is null
+    for t, lp in enumerate(prompt_lps[1:] + generated, start=1):
+        assert lp.logprob == pytest.approx(float(want[t, full[t + 1]]), abs=ATOL)
+        top = want[t].topk(3)
+        assert [tok for tok, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=ATOL)
+    assert all(lp.token == lp.top[0][0] for lp in generated)  # greedy: the sampled token is the argmax
+    # max_tokens 0: the prefill alone, same prompt logprobs, nothing generated.
+    (only,) = scored_only
+    assert (only.finish_reason, only.completion_tokens, only.text) == ("length", 0, "")
+    assert [lp.logprob for lp in only.prompt_logprobs] == pytest.approx([lp.logprob for lp in prompt_lps], abs=ATOL)
+
+
+def test_token_bytes_and_offsets_cover_the_text_exactly(loaded) -> None:
+    """Byte-level tokens: their raw bytes concatenate to the text; offsets are character positions in it."""
+    tokens = TokenBytes(loaded.tokenizer)
+    text = "naïve café — 東京 🙂 end"
+    ids = loaded.tokenizer.encode(text).ids
+    assert tokens.byte_level and b"".join(tokens.raw(i) for i in ids) == text.encode()
+    offsets = TextOffsets(tokens)
+    starts = [offsets.advance(i) for i in ids]
+    assert starts[0] == 0 and starts == sorted(starts) and offsets.chars == len(text)
+    for i, start in zip(ids, starts, strict=True):
+        shown = tokens.text(i)
+        if not shown.startswith("bytes:"):  # a whole-character token sits at its offset
+            assert text[start : start + len(shown)] == shown
+    assert tokens.text(loaded.eot_id) == "<|endoftext|>"
 
 
 def test_model_dir_errors_are_clear(tmp_path, tiny_export) -> None:
