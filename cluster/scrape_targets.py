@@ -235,7 +235,7 @@ class ScrapeTargetRegistry:
         """Delete the target if ``token`` still owns it (a successor's target stays). True when deleted."""
         with self._lock:
             entry = self._leases.get(path)
-            if entry is None or entry[0] != token:
+            if entry is None or entry[0] not in (token, ""):
                 return False
             del self._leases[path]
             with contextlib.suppress(FileNotFoundError):

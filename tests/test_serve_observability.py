@@ -1,6 +1,8 @@
 """Metrics, dashboard and alerts end to end: the app and its canary on a real Ray Serve, scraped by a real
 Prometheus (Debian's binary, started here on loopback with dashboards/prometheus.yml rewritten to a
-temp service-discovery dir and 1 s intervals, loading dashboards/alerts.yml unchanged).
+temp service-discovery dir, this Ray node's metrics agent and 1 s intervals, loading dashboards/alerts.yml
+unchanged). Ray exports its own metrics (Serve's ray_serve_*) every metrics_report_interval_ms, 10 s by
+default; RAY_metrics_report_interval_ms=1000 shortens that to 1 s for this module.
 
 Order matters inside this module (pytest keeps file order): request counts are asserted before other
 tests add requests, and the model swap comes last.
@@ -9,15 +11,18 @@ tests add requests, and the model swap comes last.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
-from prometheus_helpers import DASHBOARDS, query, running_prometheus, scalar, wait_for
+from prometheus_helpers import DASHBOARDS, query, ray_metrics_target, running_prometheus, scalar, wait_for
 from serve_fixtures import running_app, split_documents
 
 from serve.canary import main as canary_main
@@ -28,6 +33,10 @@ pytestmark = pytest.mark.ray
 
 CANARY_INTERVAL = 2.0
 N_REQUESTS = 6
+MAX_ONGOING = 2
+OVERLOAD_REQUESTS = 12
+
+log = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +63,8 @@ def stack(tiny_export, evalset, tmp_path_factory):
         "model": str(tiny_export),
         "num_replicas": 1,
         "max_batch_size": 4,
+        # Two requests at the replica at a time: a burst of OVERLOAD_REQUESTS queues in the proxy's router.
+        "max_ongoing_requests": MAX_ONGOING,
         "metrics_sd_dir": str(sd_dir),
         "canary_evalset": str(evalset),
         "canary_interval": CANARY_INTERVAL,
@@ -61,11 +72,17 @@ def stack(tiny_export, evalset, tmp_path_factory):
         # The trained model scores about -5.1 nats/token on these items, the shuffled one about -6.4.
         "canary_min_score": -5.8,
     }
-    with (
-        running_app(args, port=port) as base_url,
-        running_prometheus(sd_dir, tmp_path_factory.mktemp("prometheus"), rule_files=["alerts.yml"]) as prom,
-    ):
-        yield base_url, prom, args
+    with pytest.MonkeyPatch.context() as env:
+        # Read by every Ray process at start (raylet, workers, the metrics agent): Ray's export every 1 s.
+        env.setenv("RAY_metrics_report_interval_ms", "1000")
+        with (
+            running_app(args, port=port) as base_url,
+            running_prometheus(
+                sd_dir, tmp_path_factory.mktemp("prometheus"), rule_files=["alerts.yml"],
+                ray_targets=[ray_metrics_target()],
+            ) as prom,
+        ):  # fmt: skip
+            yield base_url, prom, args
 
 
 def test_histogram_counts_in_prometheus_equal_the_requests_served(stack) -> None:
@@ -108,6 +125,72 @@ def test_client_errors_are_counted_with_their_status(stack) -> None:
         lambda: scalar(prom, 'sum(raylm_server_requests_total{status_code="400",finish_reason="error"})') == 1,
         what="the 400 in raylm_server_requests_total",
     )
+
+
+def test_overload_waits_in_the_router_where_only_ray_serve_metrics_see_it(stack) -> None:
+    """A burst past max_ongoing_requests: the surplus waits in the Serve proxy's router, before the replica's
+    clocks start. Clients' TTFT exceeds what the replica's TTFT histogram says by about that wait, and Ray
+    Serve's router histogram (from the node's metrics agent, via the `ray` job) holds it, joined to the model
+    exactly as RayLMServeOverloaded joins it. The alert itself needs 5 minutes of overload (`for: 5m` on a 5 m
+    rate), so its threshold and `for` are tested in alerts_test.yml; here: the series it reads exist and agree
+    with what clients measured."""
+    base_url, prom, _ = stack
+    ttft = "sum(gen_ai_server_time_to_first_token_seconds_{})"
+    router = (
+        'sum(ray_serve_request_router_fulfillment_time_ms_sum{handle_source="PROXY",deployment="CompletionServer"})'
+    )
+    before = {"ttft_sum": scalar(prom, ttft.format("sum")), "ttft_count": scalar(prom, ttft.format("count"))}
+    before["router_ms"] = scalar(prom, router) or 0.0
+    body = {"prompt": "The council", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def client_ttft(_: int) -> float:
+        start = time.perf_counter()
+        with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line)
+            elapsed = time.perf_counter() - start
+            assert first.startswith(b"data: ")
+            for _ in lines:
+                pass
+        return elapsed
+
+    with ThreadPoolExecutor(OVERLOAD_REQUESTS) as pool:
+        client = list(pool.map(client_ttft, range(OVERLOAD_REQUESTS)))
+    wait_for(
+        lambda: scalar(prom, ttft.format("count")) == before["ttft_count"] + OVERLOAD_REQUESTS,
+        what="the burst in the replica's TTFT histogram",
+    )
+    replica_total = scalar(prom, ttft.format("sum")) - before["ttft_sum"]
+    hidden = sum(client) - replica_total  # TTFT the clients waited and the replica's histogram did not see
+    seen = {"client_mean": sum(client) / len(client), "replica_mean": replica_total / len(client), "hidden": hidden}
+    # The replica held at most MAX_ONGOING of the burst at a time: most of the clients' wait was elsewhere.
+    assert hidden > 2 * replica_total, seen
+
+    # Ray Serve's router histogram accounts for it (Ray exports every second here, so poll): every request
+    # records its wait when a replica takes it, re-queued ones again, so the sum covers at least the
+    # requests' waits. Half, for the proxy's and the network's share of the clients' TTFT.
+    def router_wait() -> float | None:
+        waited = ((scalar(prom, router) or 0.0) - before["router_ms"]) / 1000
+        return waited if waited >= 0.5 * hidden else None
+
+    seen["router_wait_sum"] = wait_for(router_wait, timeout=30, what=f"the router's wait to cover {seen}")
+
+    # What RayLMServeOverloaded evaluates, before its threshold: the router-wait p95 (the recording rule of
+    # alerts.yml, evaluated by this Prometheus) joined to the model through the replica's target labels.
+    joined = (
+        "group by (application, deployment, gen_ai_request_model) (raylm_server_requests_running)"
+        " * on (application, deployment) group_left () raylm:serve_router_wait_seconds:p95_5m"
+    )
+    (series,) = wait_for(lambda: [r for r in query(prom, joined) if float(r["value"][1]) > 0], what="router wait")
+    assert series["metric"] == {
+        "application": "raylm", "deployment": "CompletionServer", "gen_ai_request_model": "tiny-ccnet",
+    }  # fmt: skip
+    seen["router_p95"] = float(series["value"][1])
+    # The router queue the dashboard shows (a gauge, sampled once per export: its peak depends on timing).
+    queued = 'max_over_time(sum(ray_serve_deployment_queued_queries{deployment="CompletionServer"})[2m:1s])'
+    seen["peak_queued"] = wait_for(lambda: query(prom, queued), what="the router queue in Prometheus")[0]["value"][1]
+    log.info("overload burst: %s", seen)
 
 
 def test_every_dashboard_panel_query_returns_data(stack) -> None:

@@ -3,10 +3,12 @@
 The same route as serving (``serve/metrics.py``): OpenTelemetry's Prometheus exporter has no multiprocess
 mode and every rank is its own process (a Ray Train worker), so each rank gets its own MeterProvider, its own
 ``prometheus_client`` registry and its own scrape port (0 = any free port), served by
-``cluster.scrape_targets.ScrapeEndpoint``, which also writes the file_sd target
+``cluster.scrape_targets.ScrapeEndpoint``, which also publishes the file_sd target
 ``<sd_dir>/raylm-train-<run id>-rank<rank>.json`` that ``dashboards/prometheus.yml``'s ``raylm-train`` job
-reads. The file name is a function of run and rank only, so a restarted worker replaces its predecessor's
-target instead of leaving a dead one behind.
+reads: on a Ray Train worker through the cluster's registry actor, which writes it on the head node (so a
+head-node Prometheus sees the ranks of every node); in the in-process trainer as a local file. The file name
+is a function of run and rank only, so a restarted worker replaces its predecessor's target instead of
+leaving a dead one behind.
 
 Every series carries ``raylm_run_id`` (``metrics.run_id``, or the output dir's name) and ``raylm_rank``;
 the sd target carries the same two labels (plus ``raylm_component="train"``), so ``up`` names the rank too.
