@@ -1,4 +1,4 @@
-"""Command line: ``python -m pipeline run|sample ...`` (see ``--help``)."""
+"""Command line: ``python -m pipeline run|sample|classifier|compare ...`` (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,52 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--reason", help="only rejected documents with this reason (implies --rejected)")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--chars", type=int, default=600, help="characters of text to show per document")
+
+    classifier = sub.add_parser("classifier", help="the trained quality classifier (the classifier stage)")
+    csub = classifier.add_subparsers(dest="classifier_command", required=True)
+    train = csub.add_parser(
+        "train",
+        help="train a fastText hq/lq classifier on two text files and report its held-out accuracy",
+        description="Train a fastText supervised classifier, __label__hq (--positive) against __label__lq "
+        "(--negative); one document a line, or JSON lines with a text field (.jsonl/.json/.ndjson, optionally "
+        ".gz). Writes MODEL.bin and MODEL.bin.json (training files' sha256, counts, hyperparameters, held-out "
+        "accuracy). Deterministic: one thread and --seed.",
+    )
+    from pipeline.steps.quality_classifier import TrainParams
+
+    defaults = TrainParams()
+    train.add_argument("--positive", required=True, help="high-quality examples (label hq)")
+    train.add_argument("--negative", required=True, help="low-quality / random web examples (label lq)")
+    train.add_argument("--output", required=True, help="the model file to write (e.g. quality.bin)")
+    train.add_argument("--epochs", type=int, default=defaults.epochs, help=f"default {defaults.epochs}")
+    train.add_argument("--lr", type=float, default=defaults.lr, help=f"default {defaults.lr}")
+    train.add_argument("--ngrams", type=int, default=defaults.ngrams,
+                       help=f"word n-gram length (fastText wordNgrams), default {defaults.ngrams}")
+    train.add_argument("--dim", type=int, default=defaults.dim, help=f"vector size, default {defaults.dim}")
+    train.add_argument("--bucket", type=int, default=defaults.bucket,
+                       help=f"n-gram hash buckets (model size ≈ bucket × dim × 4 bytes), default {defaults.bucket}")
+    train.add_argument("--min-count", type=int, default=defaults.min_count,
+                       help=f"drop words seen fewer times, default {defaults.min_count}")
+    train.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction,
+                       help=f"share of documents held out (chosen by a hash of the text), default "
+                       f"{defaults.heldout_fraction}")
+    train.add_argument("--seed", type=int, default=defaults.seed, help=f"default {defaults.seed}")
+
+    compare = sub.add_parser(
+        "compare",
+        help="drift between two pipeline outputs: token unigrams, drop rates, language mix, fertility",
+        description="Compare two pipeline outputs. Exit 0: within every threshold given; 1: past one (each named); "
+        "2: bad input. A threshold not given is not checked.",
+    )
+    compare.add_argument("--baseline", required=True, help="the reference output directory")
+    compare.add_argument("--candidate", required=True, help="the output directory to check")
+    compare.add_argument("--max-jsd", type=float,
+                         help="largest token unigram Jensen-Shannon divergence allowed, in bits (0-1)")
+    compare.add_argument("--max-drop-rate-change", type=float,
+                         help="largest change of any stage's drop rate allowed, absolute (0.05 = 5 points)")
+    compare.add_argument("--max-fertility-change", type=float,
+                         help="largest relative change of any language's tokens per word allowed (0.1 = 10%%)")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
     return parser
 
 
@@ -92,10 +138,43 @@ def main(argv: list[str] | None = None) -> int:
             print_sample(args.output, args.n, args.rejected or bool(args.stage or args.reason),
                          args.stage, args.reason, args.seed, args.chars)
             return 0
+        if args.command == "classifier":
+            return _classifier(args)
+        if args.command == "compare":
+            return _compare(args)
         return _run(args, console)
     except (PipelineInputError, PipelineOutputError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
         return 2
+
+
+def _classifier(args: argparse.Namespace) -> int:
+    from pipeline.steps.quality_classifier import TrainParams, train_classifier
+
+    params = TrainParams(epochs=args.epochs, lr=args.lr, ngrams=args.ngrams, dim=args.dim, bucket=args.bucket,
+                         min_count=args.min_count, seed=args.seed, heldout_fraction=args.heldout_fraction)
+    meta = train_classifier(args.positive, args.negative, args.output, params)
+    train, heldout = meta["counts"]["train"], meta["counts"]["heldout"]
+    accuracy = meta["heldout_accuracy"]
+    print(f"trained on {train['hq']} hq + {train['lq']} lq documents; held-out accuracy "
+          + (f"{accuracy:.4f}" if accuracy is not None else "n/a")
+          + f" on {heldout['hq']} hq + {heldout['lq']} lq")
+    print(f"model: {args.output} (sha256 {meta['model']['sha256']}); metadata: {args.output}.json")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.compare import compare_outputs, print_comparison
+
+    result = compare_outputs(args.baseline, args.candidate, args.max_jsd, args.max_drop_rate_change,
+                             args.max_fertility_change)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_comparison(result, Console())
+    return 1 if result["exceeded"] else 0
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:

@@ -16,6 +16,7 @@ from pipeline.steps.extract import ExtractConfig
 from pipeline.steps.language import LanguageConfig
 from pipeline.steps.pii import PiiConfig
 from pipeline.steps.quality import QualityConfig
+from pipeline.steps.quality_classifier import ClassifierConfig
 from pipeline.steps.tokenize import TokenizeConfig
 from pipeline.steps.url_filter import UrlFilterConfig
 
@@ -45,6 +46,7 @@ class PipelineConfig(BaseModel):
     url_filter: UrlFilterConfig = Field(default_factory=UrlFilterConfig)
     language: LanguageConfig = Field(default_factory=LanguageConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
+    classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)

@@ -2,9 +2,9 @@
 from small per-file summaries. Workers read the inputs and write every data file (see ``file_tasks``).
 
 1. filter    (Ray Data, one task per input file): read → extract → url_filter → language → quality →
-             decontamination → pii → dedup keys, persisted as ``work/filtered/FFFFF.parquet``. The URL blocklist
-             and the eval-set n-gram index are built once by the driver and put once in the object store; each
-             task gets references to them.
+             classifier → decontamination → pii → dedup keys, persisted as ``work/filtered/FFFFF.parquet``. The
+             URL blocklist and the eval-set n-gram index are built once by the driver and put once in the object
+             store; each task gets references to them (the classifier model is loaded by path in each worker).
 2. dedup     (Ray Data over the persisted keys → index shard actors): LSH buckets, verified candidates, clusters
              by min-label propagation among the shards, decisions written by each shard.
 3. tokenize  (a worker trains the BPE on the kept text; Ray Data, one task per input file): decisions applied,
@@ -33,11 +33,12 @@ from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
 from pipeline.output import pack_shard, plan_shards, write_empty_rejected, write_json
 from pipeline.progress import PassProgress
-from pipeline.report import StageAccounting, print_summary, render_markdown, stage_rows
+from pipeline.report import KeptTokenStats, StageAccounting, print_summary, render_markdown, stage_rows
 from pipeline.sources import InputFile, list_inputs
 from pipeline.staging import RunStaging, write_json_atomic
 from pipeline.steps.decontaminate import build_index
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
+from pipeline.steps.quality_classifier import describe_model
 from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype
 from pipeline.steps.url_filter import load_blocklist
 from train.manifest import sha256_file
@@ -84,11 +85,15 @@ class PipelineRun:
         url = config.url_filter
         self.blocklist = load_blocklist(url.blocklist) if url.enabled and url.blocklist else None
         self.contamination = build_index(config.decontamination)
+        # Hashed once here; the workers load the model by path and check this hash on their one load.
+        self.classifier = describe_model(config.classifier.model) if config.classifier.active else None
         # The files' hashes join the config in the resume check: the same path with new content is another run.
         self.resources = {
             "url_blocklist": self.blocklist.describe() if self.blocklist else None,
             # Keyed by name, so a changed file is named in the resume error ("eval_sets.gsm8k.sha256: …").
             "eval_sets": {e["name"]: e for e in self.contamination.describe()} if self.contamination else {},
+            # A retrained model at the same path is another run: --resume refuses it, naming the sha256.
+            "quality_classifier": self.classifier,
         }
         # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
         self.staging = RunStaging(self.output, config.model_dump(mode="json"), [f.uri for f in self.files],
@@ -211,7 +216,8 @@ class PipelineRun:
         self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
         # One ray.put per run; every filter task gets the references and reads the arrays from the object store.
         shared = {"blocklist": None if self.blocklist is None else ray.put(self.blocklist),
-                  "contamination": None if self.contamination is None else ray.put(self.contamination)}
+                  "contamination": None if self.contamination is None else ray.put(self.contamination),
+                  "classifier_sha256": self.classifier["sha256"] if self.classifier else None}
         filtered = self._map_files(staging, "filter", filter_file, items, {"paths": paths, "config": cfg, **shared},
                                    True)
         dedup = self._dedup(staging, items, filtered)
@@ -235,8 +241,10 @@ class PipelineRun:
             acc.counts["decontamination"][name] += 0  # a set nothing matched is listed, with 0
         for s in filtered:
             acc.add_summary(s)
+        kept_stats = KeptTokenStats()
         for s in tokenized:
             acc.add_summary(s)
+            kept_stats.merge(s["kept_stats"])
         shard_stats = dedup.get("shards", [])
         acc.seconds["dedup_exact"] += sum(s["exact_seconds"] for s in shard_stats)
         acc.seconds["dedup_minhash"] += sum(s["minhash_seconds"] + s["verify_seconds"] + s["resolve_seconds"]
@@ -268,9 +276,13 @@ class PipelineRun:
                 "tokens_per_s": round(tokens_out / wall, 1),
                 "wall_seconds": round(wall, 3),
             },
+            # Tokens per kept document and tokens per whitespace word by language, counted in the tokenize pass.
+            "doc_tokens": kept_stats.length_distribution(),
+            "fertility": kept_stats.fertility(),
             "passes": {name: round(s, 3) for name, s in self.pass_seconds.items()},
             "url_filter": {"blocklist": self.resources["url_blocklist"],
                            "banned_substrings": len(self.config.url_filter.banned_substrings)},
+            "classifier": {"model": self.classifier, "threshold": self.config.classifier.threshold},
             "decontamination": {
                 "action": self.config.decontamination.action,
                 "ngram": self.config.decontamination.ngram,

@@ -2,7 +2,7 @@
 directory and returns only a small summary (counts, seconds, hashes) to the driver.
 
 * :func:`filter_file` — read (local or remote, retried), extract → url_filter → language → quality →
-  decontamination → pii (:func:`filter_steps`), dedup keys; writes ``work/filtered/FFFFF.parquet``.
+  classifier → decontamination → pii (:func:`filter_steps`), dedup keys; writes ``work/filtered/FFFFF.parquet``.
 * :func:`index_keys` — a batch of persisted keys into the dedup index shards (Ray actors).
 * :func:`tokenize_file` — apply the dedup decisions, tokenize, write ``rejected/`` parts and token pieces.
 * :func:`train_tokenizer_on_kept` — the BPE on the kept text, in file order.
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.output import PieceWriter, RejectedWriter
-from pipeline.report import count_annotations
+from pipeline.report import KeptTokenStats, count_annotations
 from pipeline.schema import FILTERED_SCHEMA, STAGES, to_table
 from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths, temp_name, write_json_atomic
@@ -39,6 +39,7 @@ from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.pii import MaskPii
 from pipeline.steps.quality import QualityFilter
+from pipeline.steps.quality_classifier import QualityClassifier
 from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
 from pipeline.steps.url_filter import UrlBlocklist, UrlFilter
 
@@ -47,13 +48,16 @@ FILTER_STAGES = STAGES[: STAGES.index("dedup_exact")]
 
 
 def filter_steps(config: PipelineConfig, blocklist: UrlBlocklist | None = None,
-                 contamination: ContaminationIndex | None = None) -> list[Step]:
+                 contamination: ContaminationIndex | None = None, classifier_sha256: str | None = None) -> list[Step]:
     """The steps after extract, in order (``STAGES``). The URL blocklist and the eval-set index are built once by
-    the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests."""
+    the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests. The
+    classifier model is loaded by path once per worker process; ``classifier_sha256`` is the driver's hash of it
+    (None: hashed here)."""
     return [
         UrlFilter(config.url_filter, blocklist),
         LanguageFilter(config.language),
         QualityFilter(config.quality),
+        QualityClassifier(config.classifier, classifier_sha256),
         Decontaminate(config.decontamination, contamination),
         MaskPii(config.pii),
     ]
@@ -138,15 +142,16 @@ def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: Counte
 
 @reports_input_errors
 def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: Any = None,
-                contamination: Any = None) -> dict:
+                contamination: Any = None, classifier_sha256: str | None = None) -> dict:
     """Pass 1 for one input file; returns its summary (also written as the file's marker). ``blocklist`` and
-    ``contamination`` are object references (or None) to what the driver built once for the run."""
+    ``contamination`` are object references (or None) to what the driver built once for the run;
+    ``classifier_sha256`` is the driver's hash of the classifier model (a string: it travels as is)."""
     index, uri = item["index"], item["uri"]
     seconds: Counter = Counter()
     drops: Counter = Counter()
     counts: Counter = Counter()
     records = 0
-    steps = filter_steps(config, _resolved(blocklist), _resolved(contamination))
+    steps = filter_steps(config, _resolved(blocklist), _resolved(contamination), classifier_sha256)
     keys = DedupKeys(config.dedup)
     out = paths.filtered(index)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +280,7 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
                for s in ("train", "val")}
     rejected = RejectedWriter(paths.root / "rejected", index, config.execution.rejected_rows_per_file)
     kept = tokens = 0
+    stats = KeptTokenStats()
     for batch in _filtered_batches(paths, index):
         rows = batch.to_pylist()
         started = time.perf_counter()
@@ -292,6 +298,7 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
                 writers[row["split"]].add(row)
                 kept += 1
                 tokens += len(row["tokens"])
+                stats.add(row["language"], row["text"], len(row["tokens"]) - 1)  # without the EOT
     rejected.close()
     pieces = writers["train"].close() + writers["val"].close()
     summary = {
@@ -300,6 +307,7 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
         "tokens": tokens,
         "pieces": pieces,
         "rejected_files": rejected.files,
+        "kept_stats": stats.to_summary(),
         "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
         "seconds": dict(seconds),
     }

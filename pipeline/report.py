@@ -3,8 +3,9 @@ throughput."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -18,6 +19,87 @@ from pipeline.steps.pii import PII_TYPES
 from pipeline.steps.pii import STAGE as PII
 
 TOP_REASONS = 5
+# Document token counts below this are kept exactly in the length histogram; above, rounded to 3 significant
+# digits (≤ 0.5% off), so the per-file summaries stay small whatever the number of documents.
+EXACT_LENGTHS = 1000
+
+
+def length_bucket(n: int) -> int:
+    """The histogram key of a document of ``n`` tokens (see EXACT_LENGTHS)."""
+    if n < EXACT_LENGTHS:
+        return n
+    scale = 10 ** (int(math.log10(n)) - 2)
+    return round(n / scale) * scale
+
+
+@dataclass
+class KeptTokenStats:
+    """Token counts of the kept documents, gathered in the tokenize pass where each document's tokens are known
+    (no second tokenization): per language documents, whitespace words and tokens (fertility = tokens per word),
+    and a histogram of tokens per document. Mergeable, so each file's summary carries its part and the driver
+    adds them up without holding per-document numbers.
+
+    Tokens are the document's own, without the EOT appended after it. Words are ``str.split()`` words, the
+    definition the Gopher rules count (``word_count``), measured on the text as tokenized (after C4 line
+    filtering and PII masking)."""
+
+    languages: dict[str, list[int]] = field(default_factory=dict)  # language → [docs, words, tokens]
+    lengths: Counter = field(default_factory=Counter)  # length_bucket(tokens) → documents
+    total_tokens: int = 0
+    max_tokens: int = 0
+
+    def add(self, language: str | None, text: str, tokens: int) -> None:
+        entry = self.languages.setdefault(language or "unknown", [0, 0, 0])
+        entry[0] += 1
+        entry[1] += len(text.split())
+        entry[2] += tokens
+        self.lengths[length_bucket(tokens)] += 1
+        self.total_tokens += tokens
+        self.max_tokens = max(self.max_tokens, tokens)
+
+    def to_summary(self) -> dict:
+        """JSON-able, for a file's summary (and its resume marker)."""
+        return {"languages": self.languages, "lengths": sorted(self.lengths.items()),
+                "total_tokens": self.total_tokens, "max_tokens": self.max_tokens}
+
+    def merge(self, summary: Mapping) -> None:
+        for lang, (docs, words, tokens) in summary["languages"].items():
+            entry = self.languages.setdefault(lang, [0, 0, 0])
+            entry[0] += docs
+            entry[1] += words
+            entry[2] += tokens
+        for bucket, n in summary["lengths"]:
+            self.lengths[int(bucket)] += n
+        self.total_tokens += summary["total_tokens"]
+        self.max_tokens = max(self.max_tokens, summary["max_tokens"])
+
+    def fertility(self) -> dict[str, dict]:
+        """Per language (most documents first): docs, words, tokens and tokens per word."""
+        rows = sorted(self.languages.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        return {lang: {"docs": d, "words": w, "tokens": t, "tokens_per_word": round(t / w, 4) if w else None}
+                for lang, (d, w, t) in rows}
+
+    def length_distribution(self) -> dict:
+        """count, mean, p50, p90, p99 (nearest rank over the histogram), max of tokens per kept document."""
+        count = sum(self.lengths.values())
+        out: dict = {"count": count, "mean": round(self.total_tokens / count, 2) if count else None}
+        ordered = sorted(self.lengths.items())
+        for name, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
+            out[name] = _nearest_rank(ordered, count, q)
+        out["max"] = self.max_tokens if count else None
+        return out
+
+
+def _nearest_rank(ordered: list[tuple[int, int]], count: int, q: float) -> int | None:
+    if not count:
+        return None
+    rank = max(1, math.ceil(q * count))
+    seen = 0
+    for value, n in ordered:
+        seen += n
+        if seen >= rank:
+            return value
+    return ordered[-1][0]
 
 
 @dataclass
@@ -108,6 +190,20 @@ def render_markdown(report: dict) -> str:
         )
     lines += ["", "Accounting: input.records = kept documents + all drops "
               f"({inp['records']} = {out['docs']} + {sum(s['dropped'] for s in report['stages'])})."]
+    lengths = report.get("doc_tokens")
+    if lengths and lengths.get("count"):
+        lines += ["", f"Tokens per kept document: mean {lengths['mean']:.1f}, p50 {lengths['p50']}, p90 "
+                      f"{lengths['p90']}, p99 {lengths['p99']}, max {lengths['max']} ({lengths['count']} documents)."]
+    fertility = report.get("fertility")
+    if fertility:
+        lines += ["", "| language | docs | words | tokens | tokens per word |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {lang} | {f['docs']} | {f['words']} | {f['tokens']} | "
+                  f"{f['tokens_per_word'] if f['tokens_per_word'] is not None else '-'} |"
+                  for lang, f in fertility.items()]
+    model = (report.get("classifier") or {}).get("model")
+    if model:
+        lines += ["", f"Quality classifier: `{model['path']}` (sha256 {model['sha256'][:16]}…), keeps P(hq) ≥ "
+                      f"{report['classifier']['threshold']}."]
     decont = report.get("decontamination", {})
     if decont.get("eval_sets"):
         lines += ["", f"Decontamination ({decont['ngram']}-grams, {decont['action']}, min {decont['min_matches']} "
@@ -145,3 +241,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
         f"{thr['input_mb_per_s']:.3f} MB/s, {thr['docs_per_s']:.1f} docs/s, {thr['tokens_per_s']:.0f} tok/s, "
         f"{thr['wall_seconds']:.1f} s"
     )
+    lengths, fertility = report.get("doc_tokens") or {}, report.get("fertility") or {}
+    if lengths.get("count"):
+        per_word = ", ".join(f"{lang} {f['tokens_per_word']}" for lang, f in list(fertility.items())[:5])
+        console.print(f"tokens per kept document: p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
+                      f"max {lengths['max']} | tokens per word: {per_word}")

@@ -44,6 +44,8 @@ def print_sample(output: str, n: int, rejected: bool, stage: str | None, reason:
         masked = ", ".join(f"{k}={row.get(f'pii_{k}')}" for k in PII_TYPES if row.get(f"pii_{k}"))
         if masked:
             head += f"  pii: {masked}"
+        if row.get("classifier_score") is not None:
+            head += f"  classifier P(hq)={row['classifier_score']:.3f}"
         if row.get("contamination"):
             head += f"  [yellow]contamination: {row['contamination']}[/]"
         if rejected:

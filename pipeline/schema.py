@@ -10,11 +10,12 @@ import pyarrow as pa
 
 from pipeline.steps.pii import PII_COLUMNS
 from pipeline.steps.quality import QUALITY_SIGNALS
+from pipeline.steps.quality_classifier import SCORE_COLUMN
 
 # Stage order is the order of the report and of the steps (pipeline.file_tasks.filter_steps runs the ones before
 # dedup). url_filter comes right after extract: it needs only the URL and spares blocked pages every later step.
-STAGES = ("extract", "url_filter", "language", "quality", "decontamination", "pii", "dedup_exact", "dedup_minhash",
-          "tokenize")
+STAGES = ("extract", "url_filter", "language", "quality", "classifier", "decontamination", "pii", "dedup_exact",
+          "dedup_minhash", "tokenize")
 
 RECORD_FIELDS = [
     pa.field("source", pa.string()),
@@ -27,7 +28,8 @@ RECORD_FIELDS = [
     pa.field("language", pa.string()),
     pa.field("language_score", pa.float64()),
 ]
-SIGNAL_FIELDS = [pa.field(name, pa.float64()) for name in QUALITY_SIGNALS]
+# The rule signals, then the trained classifier's P(hq) (null when the classifier stage is off).
+SIGNAL_FIELDS = [pa.field(name, pa.float64()) for name in (*QUALITY_SIGNALS, SCORE_COLUMN)]
 # What decontamination and PII masking found: the eval sets a document matched (comma-separated, null when none
 # or the stage is off; kept documents carry it under ``action: flag``) and the placeholders of each PII type.
 ANNOTATION_FIELDS = [

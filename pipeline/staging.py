@@ -23,7 +23,8 @@ from pipeline.errors import PipelineInputError, PipelineOutputError
 
 log = logging.getLogger(__name__)
 # 2: url_filter, decontamination and pii stages (new columns in work/filtered/) and the resources check.
-STATE_VERSION = 2
+# 3: the classifier stage (classifier_score column, the model in resources); kept_stats in tokenize markers.
+STATE_VERSION = 3
 
 
 def temp_name(final: Path) -> Path:

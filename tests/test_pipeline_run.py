@@ -55,8 +55,8 @@ def test_every_record_is_kept_or_rejected_exactly_once(sample_run):
     by_stage = Counter(rejected["stage"].to_pylist())
     assert by_stage == {s["name"]: s["dropped"] for s in report["stages"] if s["dropped"]}
     assert [s["name"] for s in report["stages"]] == [
-        "extract", "url_filter", "language", "quality", "decontamination", "pii", "dedup_exact", "dedup_minhash",
-        "tokenize"
+        "extract", "url_filter", "language", "quality", "classifier", "decontamination", "pii", "dedup_exact",
+        "dedup_minhash", "tokenize"
     ]
     for s in report["stages"]:
         assert s["docs_in"] - s["dropped"] == s["docs_out"] and sum(s["reasons"].values()) == s["dropped"]
