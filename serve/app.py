@@ -234,6 +234,11 @@ class Choice:
     finish_reason: str | None = None
     opened: bool = False  # a stream sent this choice's first chunk (echo text, chat's role)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The client's prompt tokens: all of them, less the document-start token the server added (if it did)."""
+        return len(self.prompt_ids) - (0 if self.params.client_start else 1)
+
     def record(self, event: Event) -> None:
         self.parts.append(event.text)
         self.logprobs.extend(event.logprobs)
@@ -441,8 +446,10 @@ class CompletionServer:
             self._check_chars(sum(len(p) for p in prompts), "prompt")
             prompt_ids = await self.engine.tokenize(prompts)  # type: ignore[arg-type]
             echoes: list[str] = prompts  # type: ignore[assignment]
+            client_start = [False] * len(prompts)
         else:
             prompt_ids = await asyncio.to_thread(self._token_prompts, prompts)  # type: ignore[arg-type]
+            client_start = [self._starts_document(ids) for ids in prompts]  # type: ignore[arg-type]
             # Echoed as the tokenizer decodes them, special tokens included (they were in the prompt).
             decode = self.loaded.tokenizer.decode_batch
             echoes = await asyncio.to_thread(decode, prompts, skip_special_tokens=False) if body.echo else []
@@ -463,14 +470,14 @@ class CompletionServer:
             Choice(
                 index=p * body.n + j,  # OpenAI's order: the n samples of the first prompt, then the next prompt's
                 prompt_ids=ids,
-                params=replace(params, seed=sample_seed(body.seed, j)),
+                params=replace(params, seed=sample_seed(body.seed, j), client_start=client_start[p]),
                 echo=echoes[p] if body.echo else None,
             )
             for p, ids in enumerate(prompt_ids)
             for j in range(body.n)
         ]
         fmt = CompletionFormat(self.tokens, body.logprobs)
-        return await self._respond(request, fmt, choices, prompt_ids, arrival, body.stream, body.include_usage)
+        return await self._respond(request, fmt, choices, arrival, body.stream, body.include_usage)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -495,7 +502,7 @@ class CompletionServer:
         )
         choices = [Choice(j, ids, replace(params, seed=sample_seed(body.seed, j))) for j in range(body.n)]
         fmt = ChatFormat(self.tokens, top_logprobs)
-        return await self._respond(request, fmt, choices, [ids], arrival, body.stream, body.include_usage)
+        return await self._respond(request, fmt, choices, arrival, body.stream, body.include_usage)
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
@@ -549,7 +556,8 @@ class CompletionServer:
             )
 
     def _token_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Token-id prompts, checked against the vocabulary, after the document-start token."""
+        """Token-id prompts, checked against the vocabulary, after the document-start token (a prompt that
+        already starts with it keeps its own: a second one would shift every position the model sees)."""
         for ids in prompts:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -559,7 +567,10 @@ class CompletionServer:
                     param="prompt",
                     code="invalid_value",
                 )
-        return [[self.loaded.eot_id, *ids] for ids in prompts]
+        return [ids if self._starts_document(ids) else [self.loaded.eot_id, *ids] for ids in prompts]
+
+    def _starts_document(self, ids: list[int]) -> bool:
+        return bool(ids) and ids[0] == self.loaded.eot_id
 
     def _check_context(self, prompt_tokens: int, max_tokens: int, param: str = "prompt") -> None:
         block = self.loaded.block_size
@@ -588,13 +599,13 @@ class CompletionServer:
         request: Request,
         fmt: ResponseFormat,
         choices: list[Choice],
-        prompt_ids: list[list[int]],
         arrival: float,
         stream: bool,
         include_usage: bool,
     ) -> Response:
         outcome = request_outcome(request)
-        prompt_tokens = sum(len(ids) - 1 for ids in prompt_ids)  # each prompt once, whatever n (OpenAI's usage)
+        # Each prompt once, whatever n (OpenAI's usage); the n choices of a prompt share its id list.
+        prompt_tokens = sum(c.prompt_tokens for c in {id(c.prompt_ids): c for c in choices}.values())
         run = self._run(choices, arrival, outcome)
         if stream:
             return StreamingResponse(
@@ -648,7 +659,7 @@ class CompletionServer:
                 first_at = first_at if first_at is not None else time.monotonic()
                 if event.scheduled_at is not None:
                     self.metrics.observe_queue(event.scheduled_at - arrival)
-                    self.metrics.add_tokens("input", len(choice.prompt_ids) - 1)
+                    self.metrics.add_tokens("input", choice.prompt_tokens)
                 self.metrics.add_tokens("output", event.completion_tokens - choice.completion_tokens)
                 choice.record(event)
                 pending -= event.finish_reason is not None

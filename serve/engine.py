@@ -54,6 +54,9 @@ class SamplingParams:
     # prompt_logprobs, the prompt's tokens get them too, from the prefill logits (echo).
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    # The prompt's first token is the client's own document-start token (a token-id prompt that begins with
+    # it, as lm-evaluation-harness sends): the server adds none, and the echo includes it (with no logprob).
+    client_start: bool = False
 
 
 @dataclass
@@ -268,7 +271,12 @@ class Engine:
         logits = prefill(self.model, self.cache, seq.slot, ids)
         seq.position = len(seq.prompt_ids)
         prompt_logprobs = None
-        if seq.params.prompt_logprobs and len(ids) > 1:
+        if seq.params.prompt_logprobs and seq.params.client_start:
+            # The client's own first token is the document start: echoed with no logprob, then every later
+            # token scored by the logits at the position before it.
+            first = TokenLogprob(int(ids[0]), None)
+            prompt_logprobs = [first, *token_logprob_entries(logits[:-1], ids[1:], seq.params.logprobs or 0)]
+        elif seq.params.prompt_logprobs and len(ids) > 1:
             # ids[0] is the document-start token, not the client's: the client's first token gets no logprob
             # (OpenAI's convention), each later one is scored by the logits at the position before it.
             first = TokenLogprob(int(ids[1]), None)

@@ -262,6 +262,20 @@ def test_echo_logprobs_with_max_tokens_0_equal_the_forward_pass(client: openai.O
             assert value >= kth - 1e-5 or token == lp.tokens[t]  # the top 3, plus the scored token
 
 
+def test_a_token_prompt_that_starts_a_document_is_scored_as_sent(client: openai.OpenAI, loaded) -> None:
+    """lm-evaluation-harness sends [<|endoftext|>, tokens...] with echo, logprobs and max_tokens 1: the server must
+    not add a second document-start token (it would shift every position), and the echo starts with the client's."""
+    ids = [loaded.eot_id, *loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.").ids]
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    (choice,) = scored.choices
+    lp = choice.logprobs
+    assert scored.usage.prompt_tokens == len(ids)
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None  # the prompt, then 1 generated
+    want = forward_logprobs(loaded, ids)  # the forward pass over exactly the ids sent
+    for t in range(1, len(ids)):
+        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=1e-5)
+
+
 def test_greedy_generated_logprobs_equal_the_forward_pass(client: openai.OpenAI, loaded, token_of) -> None:
     prompt = "In 2012 the company"
     out = client.completions.create(
