@@ -245,3 +245,30 @@ def test_a_file_that_is_not_warc_becomes_one_drop_when_asked(tmp_path):
     corrupt = [r for r in rejected if r["reason"] == "corrupt_file"]
     assert len(corrupt) == 1 and corrupt[0]["source"].endswith("notes.warc.wet.gz")
     assert report["input"]["records"] == report["output"]["docs"] + sum(s["dropped"] for s in report["stages"])
+
+
+def test_canary_eval_set_is_disjoint_from_the_training_shards(sample_run, tmp_path):
+    """The canary's items come from the val split, which the trainer never reads: no item's text, and none of its
+    13-word n-grams (the decontamination unit), occurs in any document of the train shards."""
+    from pipeline.steps.dedup import ngram_hashes, normalise
+    from serve.evalset import build_evalset
+
+    out, _ = sample_run
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(out / manifest["tokenizer"]["path"]))
+    eot = manifest["tokenizer"]["eot_id"]
+    train_docs = []
+    for shard in manifest["shards"]:
+        if shard["split"] != "train":
+            continue
+        tokens = np.memmap(out / shard["path"], dtype=np.dtype(manifest["dtype"]), mode="r")
+        ends = np.flatnonzero(tokens == eot)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        train_docs += [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
+    evalset = build_evalset(out, tmp_path / "canary.jsonl", items=16, min_chars=100)
+    assert evalset.items and train_docs
+    train_ngrams = np.unique(np.concatenate([ngram_hashes(normalise(d), 13) for d in train_docs]))
+    for item in evalset.items:
+        assert not any(item.text in doc for doc in train_docs), item.id
+        shared = np.intersect1d(ngram_hashes(normalise(item.text), 13), train_ngrams)
+        assert shared.size == 0, (item.id, shared.size)

@@ -11,6 +11,7 @@ from typing import Any
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
 from train.logsetup import setup_logging
+from train.mixture import parse_mixture
 from train.overrides import parse_set
 from train.parallel import ReplicaMismatch
 from train.preflight import PreflightError
@@ -23,7 +24,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Writes metrics.jsonl, loss_curve.png and final/ (full model) into --output; "
         "then run `python -m train.export --run OUTPUT --output DIR` for serving.",
     )
-    parser.add_argument("--data", required=True, help="pipeline output dir (with manifest.json)")
+    parser.add_argument(
+        "--data", required=True, help="pipeline output dir (with manifest.json), or a weighted mixture of several: "
+        "name=DIR:weight,name=DIR:weight (e.g. web=runs/web:0.7,books=runs/books:0.3; one tokenizer for all)",
+    )  # fmt: skip
     parser.add_argument("--output", required=True, help="run dir (also Ray Train's storage_path/name)")
     parser.add_argument("--strategy", choices=STRATEGIES, help="parallelism (overrides parallel.strategy)")
     parser.add_argument("--workers", type=int, help="Ray Train workers (overrides parallel.workers)")
@@ -51,7 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"data_dir": args.data, "output_dir": args.output}
+    overrides: dict[str, Any] = {"output_dir": args.output}
+    if "=" in args.data:
+        try:
+            overrides["data.mixture"] = parse_mixture(args.data)
+        except ValueError as exc:
+            raise ConfigError(f"--data: {exc}") from exc
+    else:
+        overrides["data_dir"] = args.data
     for flag, key in (("strategy", "parallel.strategy"), ("workers", "parallel.workers"), ("steps", "steps")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)

@@ -32,6 +32,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "GPTConfig",
     "GuardConfig",
     "MetricsConfig",
+    "MixtureSource",
     "OptimizerConfig",
     "ParallelConfig",
     "Precision",
@@ -47,6 +48,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class MixtureSource(_Section):
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)  # a pipeline output dir
+    weight: float = Field(gt=0)  # relative: the weights are normalised to sum to 1
+
+
 class DataConfig(_Section):
     micro_batch_size: int = Field(8, ge=1)  # sequences per rank per forward/backward
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, fixed across world sizes
@@ -59,6 +66,9 @@ class DataConfig(_Section):
     # Check each shard's sha256 against the manifest before its first read (in background threads, cached
     # per run dir), so a corrupted or swapped shard stops the run with its name instead of training on it.
     verify_shards: bool = True
+    # Several pipeline outputs at fixed weights (train.mixture); empty: the one data_dir. With a mixture,
+    # data_dir is its first source (the tokenizer the export copies).
+    mixture: list[MixtureSource] = Field(default_factory=list)
 
 
 class OptimizerConfig(_Section):
@@ -143,6 +153,20 @@ class TrainConfig(_Section):
         p, d = self.parallel, self.data
         if p.strategy == "single" and p.workers != 1:
             raise ValueError(f"strategy 'single' runs one worker; got workers={p.workers} (use ddp or fsdp)")
+        if d.mixture:
+            names = [m.name for m in d.mixture]
+            if len(set(names)) != len(names):
+                raise ValueError(f"data.mixture names must be unique, got {names}")
+            self.data_dir = self.data_dir or d.mixture[0].path
+            if self.data_dir != d.mixture[0].path:
+                raise ValueError("with data.mixture, data_dir is the first source's path (or leave it unset)")
+            # The heaviest source takes each step's remainder (train.mixture): that needs a non-negative count.
+            share = max(m.weight for m in d.mixture) / sum(m.weight for m in d.mixture)
+            if d.global_batch_size * share < len(d.mixture) - 1:
+                raise ValueError(
+                    f"global_batch_size {d.global_batch_size} is too small to mix {len(d.mixture)} sources: "
+                    f"it needs global_batch_size × (largest weight share) >= sources - 1"
+                )
         if self.checkpoint.rollback_after_bad > 0 and not self.checkpoint.enabled:
             raise ValueError("checkpoint.rollback_after_bad needs checkpoint.enabled")
         per_step = d.micro_batch_size * p.workers

@@ -9,7 +9,9 @@ Global sample ``g`` (counting from the first step) is window ``perm_{g // W}[g %
 samples ``[s·G, (s+1)·G)`` with ``G`` = global batch; rank ``r`` takes the contiguous slice
 ``[r·A·M, (r+1)·A·M)`` of it (A = grad-accumulation steps, M = micro-batch), cut into A micro-batches.
 So which tokens a rank sees is a pure function of (seed, step, rank, world size); with the global
-batch fixed, ``single`` with accum 2k consumes exactly the sequences ``ddp``-2 with accum k does.
+batch fixed, ``single`` with accum 2k consumes exactly the sequences ``ddp``-2 with accum k does. A mixture
+of several pipeline outputs (``train.mixture``) numbers the windows source after source and splits each
+step's global batch between the sources by weight; each source walks its own epochs.
 
 No Ray Data here on purpose: its streaming split does not promise an order, and reproducible,
 resumable training needs one.
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from train.manifest import Manifest, Shard
+from train.mixture import Source, cumulative_counts
 from train.shard_verify import DaemonPool, ShardVerifier
 
 CLOSE_JOIN_S = 10.0  # close() waits at most this long for the read under way (it may wait on a shard's hashing)
@@ -73,13 +76,17 @@ class WindowIndex:
         return np.asarray(tokens[offset : offset + self.block_size + 1], dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=2)
-def epoch_permutation(seed: int, epoch: int, num_windows: int) -> np.ndarray:
+Seed = int | tuple[int, int]  # the run's seed, or (seed, source index) for one source of a mixture
+
+
+@functools.lru_cache(maxsize=8)
+def epoch_permutation(seed: Seed, epoch: int, num_windows: int) -> np.ndarray:
     """The visiting order of one epoch. Cached: consecutive steps almost always share an epoch."""
-    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+    parts = list(seed) if isinstance(seed, tuple) else [seed]
+    return np.random.default_rng([*parts, epoch]).permutation(num_windows)
 
 
-def global_sample_windows(seed: int, first_sample: int, count: int, num_windows: int) -> np.ndarray:
+def global_sample_windows(seed: Seed, first_sample: int, count: int, num_windows: int) -> np.ndarray:
     """Window ids of global samples [first_sample, first_sample + count)."""
     samples = np.arange(first_sample, first_sample + count, dtype=np.int64)
     epochs, positions = np.divmod(samples, num_windows)
@@ -97,6 +104,30 @@ def rank_windows(
     per_rank = micro_batch_size * grad_accum
     first = step * per_rank * world_size + rank * per_rank
     return global_sample_windows(seed, first, per_rank, num_windows).reshape(grad_accum, micro_batch_size)
+
+
+def mixture_rank_windows(
+    seed: int, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int,
+    sizes: Sequence[int], weights: np.ndarray,
+) -> np.ndarray:
+    """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
+    shape (grad_accum, micro_batch_size): the step's global batch is each source's next sequences, source
+    after source (``train.mixture.cumulative_counts``), and the rank takes its contiguous slice of it."""
+    per_rank = micro_batch_size * grad_accum
+    global_batch = per_rank * world_size
+    before = cumulative_counts(step, global_batch, weights)
+    after = cumulative_counts(step + 1, global_batch, weights)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    parts = [
+        offsets[s] + global_sample_windows((seed, s), int(before[s]), int(after[s] - before[s]), int(sizes[s]))
+        for s in range(len(sizes))
+    ]
+    step_windows = np.concatenate(parts)
+    return step_windows[rank * per_rank : (rank + 1) * per_rank].reshape(grad_accum, micro_batch_size)
+
+
+def as_sources(data: Manifest | Sequence[Source]) -> list[Source]:
+    return [Source("data", data, 1.0)] if isinstance(data, Manifest) else list(data)
 
 
 @dataclass
@@ -123,7 +154,7 @@ class TrainBatches:
 
     def __init__(
         self,
-        manifest: Manifest,
+        data: Manifest | Sequence[Source],
         block_size: int,
         micro_batch_size: int,
         grad_accum: int,
@@ -137,10 +168,17 @@ class TrainBatches:
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
-        self.windows = WindowIndex(manifest.split("train"), block_size, verifier)
-        if len(self.windows) == 0:
-            raise ValueError(f"no train shard holds block_size + 1 = {block_size + 1} tokens")
-        self.dtype = manifest.dtype
+        self.sources = as_sources(data)
+        self.sizes = [len(WindowIndex(s.manifest.split("train"), block_size)) for s in self.sources]
+        for source, size in zip(self.sources, self.sizes, strict=True):
+            if size == 0:
+                raise ValueError(
+                    f"no train shard of {source.manifest.root} holds block_size + 1 = {block_size + 1} tokens"
+                )
+        self.weights = np.array([s.weight for s in self.sources])
+        shards = [shard for s in self.sources for shard in s.manifest.split("train")]
+        self.windows = WindowIndex(shards, block_size, verifier)
+        self.dtype = self.sources[0].manifest.dtype
         self.micro_batch_size = micro_batch_size
         self.grad_accum = grad_accum
         self.rank = rank
@@ -161,9 +199,18 @@ class TrainBatches:
             self._close_pool.atexit = False
 
     def window_ids(self, step: int) -> np.ndarray:
+        if len(self.sources) > 1:
+            return mixture_rank_windows(
+                self.seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum,
+                self.sizes, self.weights,
+            )  # fmt: skip
         return rank_windows(
             self.seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum, len(self.windows)
         )
+
+    def source_of(self, window: int) -> str:
+        """The name of the source a window id belongs to."""
+        return self.sources[int(np.searchsorted(np.cumsum(self.sizes), window, side="right"))].name
 
     def position(self, step: int) -> dict[str, Any]:
         """Where in the data a step is: enough to find the exact sequences again (bad-step reports)."""
@@ -261,7 +308,7 @@ class ValBatches:
 
     def __init__(
         self,
-        manifest: Manifest,
+        data: Manifest | Sequence[Source],
         block_size: int,
         micro_batch_size: int,
         num_sequences: int,
@@ -271,8 +318,10 @@ class ValBatches:
         *,
         verifier: ShardVerifier | None = None,
     ) -> None:
-        self.windows = WindowIndex(manifest.split("val"), block_size, verifier)
-        self.dtype = manifest.dtype
+        sources = as_sources(data)
+        # A mixture's val windows are all its sources' val splits together (evenly spaced picks, not weighted).
+        self.windows = WindowIndex([sh for s in sources for sh in s.manifest.split("val")], block_size, verifier)
+        self.dtype = sources[0].manifest.dtype
         self.device = device
         total = len(self.windows)
         chosen = np.unique(np.linspace(0, total - 1, min(num_sequences, total)).astype(np.int64))

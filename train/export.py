@@ -79,12 +79,15 @@ def export(run_dir: str | Path, output_dir: str | Path | None = None, fmt: str =
         manifest = load_manifest(train_config["data_dir"])
     except DataError as exc:
         raise ExportError(f"cannot copy the tokenizer: {exc}") from exc
-    if manifest.sha256 != info["data_manifest_sha256"]:
+    # A mixture's lineage hash covers every source; the tokenizer comes from the first, checked by its own hash.
+    sources = info.get("data_sources") or [{"manifest_sha256": info["data_manifest_sha256"]}]
+    if manifest.sha256 != sources[0]["manifest_sha256"]:
         raise ExportError(f"{manifest.root}/manifest.json changed since training: the tokenizer may not match")
     tokenizer_sha = sha256_file(manifest.tokenizer_path)
     lineage = {
         "data_manifest_sha256": info["data_manifest_sha256"],
         "data_dir": train_config["data_dir"],
+        "data_sources": info.get("data_sources"),
         "tokenizer_sha256": tokenizer_sha,
         "step": info["step"],
         "run_dir": str(run.resolve()),

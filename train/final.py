@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from train.curves import plot_loss_curves
 from train.layout import FINAL_DIR, FINAL_INFO, FINAL_MODEL, FINAL_PROBE
+from train.mixture import data_lineage_sha256, describe
 from train.parallel import full_state_dict
 from train.trainer import Trainer
 
@@ -50,7 +51,8 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
             "step": trainer.step,
             "model_config": config.to_dict()["model"],
             "train_config": config.to_dict(),
-            "data_manifest_sha256": trainer.manifest.sha256,
+            "data_manifest_sha256": data_lineage_sha256(trainer.sources),
+            "data_sources": describe(trainer.sources),
             "replica_digests": digests,
             "peak_state_bytes": trainer.peak_state_bytes,
             "bad_steps": trainer.bad_steps,

@@ -47,6 +47,8 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     output = Path(config.output_dir).resolve()
     config.output_dir = str(output)
     config.data_dir = str(Path(config.data_dir).resolve())
+    for source in config.data.mixture:  # the workers may start in another directory
+        source.path = str(Path(source.path).resolve())
 
     if not ray.is_initialized():
         # Local Ray by default. On a cluster, submit with `ray job submit --working-dir .` (see

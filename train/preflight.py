@@ -11,7 +11,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from train.config import TrainConfig
-from train.manifest import DataError, Manifest, load_manifest, sha256_file
+from train.manifest import DataError, Manifest, sha256_file
+from train.mixture import load_sources
 
 
 class PreflightError(ValueError):
@@ -21,7 +22,8 @@ class PreflightError(ValueError):
 def check_data(config: TrainConfig) -> Manifest:
     """Validate the data dir against the model config; fills ``model.vocab_size`` from the manifest."""
     try:
-        manifest = load_manifest(config.data_dir)
+        # Every source of a mixture exists, satisfies the contract and shares the first one's tokenizer.
+        manifest = load_sources(config.data_dir, config.data.mixture)[0].manifest
     except DataError as exc:
         raise PreflightError(str(exc)) from exc
 

@@ -41,9 +41,9 @@ from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
-from train.manifest import load_manifest
 from train.memory import gather_memory, state_bytes
 from train.metrics import MetricsLogger
+from train.mixture import data_lineage_sha256, describe, load_sources
 from train.model import GPT
 from train.optim import build_optimizer, learning_rate, set_learning_rate
 from train.parallel import (
@@ -109,7 +109,9 @@ class Trainer(Stateful):
         self.on_step_end = on_step_end
         self.on_hang = on_hang if on_hang is not None else (exit_worker if ray_storage else None)
         self.watchdog: StepWatchdog | None = None  # armed by train()
-        self.manifest = load_manifest(config.data_dir)
+        # One pipeline output, or a weighted mixture of several (train.mixture); the first gives tokenizer and dtype.
+        self.sources = load_sources(config.data_dir, config.data.mixture)
+        self.manifest = self.sources[0].manifest
         cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
 
         # Same seed on every rank and for every strategy: all replicas (and all shards of FSDP's one
@@ -130,17 +132,20 @@ class Trainer(Stateful):
 
         self.grad_accum = config.grad_accum_steps
         self.verifier = (
-            ShardVerifier(self.manifest.shards, Path(config.output_dir) / VERIFIED_SHARDS_CACHE)
+            ShardVerifier(
+                [shard for s in self.sources for shard in s.manifest.shards],
+                Path(config.output_dir) / VERIFIED_SHARDS_CACHE,
+            )
             if cfg_data.verify_shards
             else None
         )
         self.train_batches = TrainBatches(
-            self.manifest, cfg_model.block_size, cfg_data.micro_batch_size, self.grad_accum,
+            self.sources, cfg_model.block_size, cfg_data.micro_batch_size, self.grad_accum,
             ctx.rank, ctx.world_size, cfg_data.seed, ctx.device,
             prefetch_steps=cfg_data.prefetch_steps, verifier=self.verifier,
         )  # fmt: skip
         self.val_batches = ValBatches(
-            self.manifest, cfg_model.block_size, cfg_data.micro_batch_size, cfg_data.eval_sequences,
+            self.sources, cfg_model.block_size, cfg_data.micro_batch_size, cfg_data.eval_sequences,
             ctx.rank, ctx.world_size, ctx.device, verifier=self.verifier,
         )  # fmt: skip
         self.guard = GuardRail(config.guard)
@@ -151,7 +156,8 @@ class Trainer(Stateful):
             run_info = {
                 "strategy": cfg_par.strategy,
                 "train_config": config.to_dict(),
-                "data_manifest_sha256": self.manifest.sha256,
+                "data_manifest_sha256": data_lineage_sha256(self.sources),
+                "data_sources": describe(self.sources),
             }
             self.checkpointer = Checkpointer(config.checkpoint, ctx, run_info, store)
             # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume

@@ -1,0 +1,145 @@
+"""Data mixtures (train/mixture.py): several pipeline outputs at fixed weights. The realised share of each source
+against its weight, determinism in (seed, step, rank), every rank's slice of the same global batch, lineage, a
+bitwise resume, and the refusals (two tokenizers, a bad --data spec)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from train_fixtures import build_token_dir, tiny_overrides
+
+from train.__main__ import main as train_main
+from train.__main__ import overrides_from_args, parse_args
+from train.config import load_config
+from train.data import TrainBatches
+from train.final import train_to_completion
+from train.manifest import load_manifest
+from train.metrics import read_metrics
+from train.mixture import Source, cumulative_counts, load_sources, parse_mixture
+from train.parallel import DistContext
+from train.preflight import PreflightError, check_data
+from train.trainer import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def two_sources(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two pipeline outputs with one tokenizer: the tests' token dir, and a copy whose train shard holds only its
+    first half (so the sources differ in size and content)."""
+    other = tmp_path_factory.mktemp("mixture") / "books"
+    shutil.copytree(token_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        if shard["split"] == "train":
+            path = other / shard["path"]
+            tokens = np.fromfile(path, dtype="<u2")[: shard["tokens"] // 2]
+            tokens.tofile(path)
+            shard["tokens"] = len(tokens)
+            shard.pop("sha256")
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    return token_dir, other
+
+
+def batches(sources: list[Source], rank: int = 0, world: int = 1, accum: int = 4) -> TrainBatches:
+    return TrainBatches(sources, 16, 2, accum, rank, world, 1337, torch.device("cpu"))
+
+
+def test_realised_share_follows_the_weights_at_every_step(two_sources: tuple[Path, Path]) -> None:
+    web, books = (load_manifest(d) for d in two_sources)
+    sources = [Source("web", web, 0.7), Source("books", books, 0.3)]
+    loader = batches(sources)
+    boundary = loader.sizes[0]  # window ids below it are web's
+    global_batch, seen = 8, {"web": 0, "books": 0}
+    for step in range(50):
+        ids = loader.window_ids(step).reshape(-1)
+        seen["books"] += int((ids >= boundary).sum())
+        seen["web"] += int((ids < boundary).sum())
+        total = (step + 1) * global_batch
+        # The lighter source is within one sequence of its weight after every step; the heavier takes the rest.
+        assert abs(seen["books"] - 0.3 * total) < 1 and seen["web"] + seen["books"] == total
+    assert seen["books"] == int(0.3 * 50 * global_batch)
+    # Each source walks its own epochs: books' windows in a full pass over it are each visited once.
+    books_windows = np.concatenate([loader.window_ids(s).reshape(-1) for s in range(50)])
+    books_windows = books_windows[books_windows >= boundary][: loader.sizes[1]]
+    assert len(set(books_windows.tolist())) == len(books_windows)
+
+
+def test_ranks_split_the_same_global_batch_and_it_is_a_pure_function_of_the_step(
+    two_sources: tuple[Path, Path],
+) -> None:
+    web, books = (load_manifest(d) for d in two_sources)
+    sources = [Source("web", web, 0.6), Source("books", books, 0.4)]
+    single = batches(sources, accum=4)
+    ranks = [batches(sources, rank=r, world=2, accum=2) for r in range(2)]
+    for step in (0, 1, 7, 33):
+        together = np.concatenate([r.window_ids(step).reshape(-1) for r in ranks])
+        assert together.tolist() == single.window_ids(step).reshape(-1).tolist()
+        assert batches(sources).window_ids(step).tolist() == single.window_ids(step).tolist()
+
+
+def test_counts_never_decrease_even_for_tiny_weights() -> None:
+    weights = np.array([0.01, 0.04, 0.95])
+    previous = cumulative_counts(0, 32, weights)
+    for step in range(1, 400):
+        counts = cumulative_counts(step, 32, weights)
+        assert (counts >= previous).all() and counts.sum() == 32 * step
+        previous = counts
+
+
+def test_a_mixture_run_resumes_bitwise_and_records_its_sources(two_sources: tuple[Path, Path], tmp_path: Path) -> None:
+    web, books = two_sources
+    mixture = [{"name": "web", "path": str(web), "weight": 0.7}, {"name": "books", "path": str(books), "weight": 0.3}]
+
+    def config(out: Path, **extra: object):
+        overrides = tiny_overrides(web, out, steps=8, **{"checkpoint.interval_steps": 4, "data.mixture": mixture})
+        cfg = load_config(None, overrides | extra)
+        check_data(cfg)
+        return cfg
+
+    torch.set_num_threads(1)
+    reference = Trainer(config(tmp_path / "ref"), CPU)
+    info = train_to_completion(reference)
+    assert [s["name"] for s in info["data_sources"]] == ["web", "books"]
+    assert [s["weight"] for s in info["data_sources"]] == [0.7, 0.3]
+    assert info["data_manifest_sha256"] != load_manifest(web).sha256  # the lineage names the mixture
+
+    first = Trainer(config(tmp_path / "run"), CPU)
+    for _ in range(5):
+        first.run_step()
+    first.checkpointer.close()
+    resumed = Trainer(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
+    resumed.train()
+    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
+    assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
+    for key, value in reference.gpt.state_dict().items():
+        assert torch.equal(resumed.gpt.state_dict()[key], value), key
+
+
+def test_sources_with_different_tokenizers_are_refused_naming_them(token_dir: Path, tmp_path: Path) -> None:
+    other = build_token_dir(tmp_path / "other", vocab_size=300)
+    mixture = [{"name": "web", "path": str(token_dir), "weight": 1}, {"name": "code", "path": str(other), "weight": 1}]
+    config = load_config(None, tiny_overrides(token_dir, tmp_path / "run", **{"data.mixture": mixture}))
+    with pytest.raises(PreflightError, match=r"'web'.*'code'.*tokenized differently"):
+        check_data(config)
+    with pytest.raises(ValueError, match="tokenized differently"):
+        load_sources(str(token_dir), config.data.mixture)
+
+
+def test_data_flag_takes_a_weighted_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_mixture("web=s3://bucket/web:0.7,books=runs/books:0.3") == [
+        {"name": "web", "path": "s3://bucket/web", "weight": 0.7},
+        {"name": "books", "path": "runs/books", "weight": 0.3},
+    ]
+    args = parse_args(["--data", "web=runs/a:2,books=runs/b:1", "--output", str(tmp_path)])
+    overrides = overrides_from_args(args)
+    assert "data_dir" not in overrides and [m["name"] for m in overrides["data.mixture"]] == ["web", "books"]
+    assert load_config(None, overrides).data_dir == "runs/a"  # the first source: the export's tokenizer
+    assert train_main(["--data", "web=runs/a", "--output", str(tmp_path)]) == 2
+    assert "name=DIR:weight" in capsys.readouterr().err
