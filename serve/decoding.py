@@ -1,21 +1,15 @@
-"""KV-cached forward passes over train.model.GPT's own submodules, and token sampling.
+"""KV-cached forward passes through train.model.GPT, and token sampling.
 
-train/model.py has no cache (and is not ours to edit), so the cached forward is re-assembled here from
-the model's modules: ``wte``, ``wpe``, ``drop``, ``blocks[i].ln_1 / attn.qkv / attn.proj /
-attn.resid_dropout / ln_2 / mlp``, ``ln_f`` and the tied output ``F.linear(x, wte.weight)``.
-
-MUST MIRROR ``GPT.forward`` / ``Block.forward`` / ``CausalSelfAttention.forward``: pre-norm residual
-blocks, q/k/v split of one ``qkv`` matmul, heads laid out (B, heads, T, head_dim), causal attention
-through ``scaled_dot_product_attention``. If the model changes (RoPE, a different norm, untied head)
-this file must change with it; tests/test_serve_engine.py compares the cached logits against
-``GPT.forward`` at every position and fails loudly when they drift apart.
+The cache and the cached attention live in the model itself (``train.model.KVCache``, ``CacheStep``): these two
+functions only say where each pass writes. tests/test_serve_engine.py compares the cached logits with
+``GPT.forward`` without a cache at every position.
 
 Two passes:
 - ``prefill``: the whole prompt of one sequence in one causal pass, writing its keys/values into the
   sequence's cache slot; returns logits at every prompt position.
 - ``decode``: one new token for each of B sequences (different lengths, different slots) in one batched
-  pass; each query attends to its own slot's cached keys up to its own position (a padding mask hides
-  the rest). This is the step continuous batching repeats.
+  pass; each query attends to its own slot's cached keys up to its own position (a mask hides the rest).
+  This is the step continuous batching repeats.
 
 Log-probabilities are computed in one place, ``log_probs``: the fp32 log-softmax of the logits a pass
 already produced (prefill for an echoed prompt, the step's logits for a generated token, ``GPT.forward``
@@ -27,57 +21,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from train.model import GPT
+from train.model import GPT, CacheStep, KVCache
 
-
-class KVCache:
-    """Keys and values for ``n_slots`` sequences: (layers, slots, heads, block_size, head_dim) each.
-
-    Preallocated once per replica: a slot is a sequence's whole context, so memory is
-    2 · layers · slots · block_size · n_embd · itemsize and never grows while serving.
-    """
-
-    def __init__(self, model: GPT, n_slots: int) -> None:
-        cfg = model.config
-        param = model.wte.weight
-        shape = (cfg.n_layer, n_slots, cfg.n_head, cfg.block_size, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        self.v = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        self.n_slots = n_slots
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-def _split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    batch, seq, channels = t.shape
-    return t.view(batch, seq, n_head, channels // n_head).transpose(1, 2)
-
-
-def _merge_heads(t: torch.Tensor) -> torch.Tensor:
-    batch, heads, seq, head_dim = t.shape
-    return t.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+__all__ = ["KVCache", "decode", "log_probs", "prefill", "sample", "token_logprobs"]
 
 
 @torch.inference_mode()
 def prefill(model: GPT, cache: KVCache, slot: int, ids: torch.Tensor) -> torch.Tensor:
     """ids: (T,) prompt token ids for cache slot ``slot``. Returns logits (T, vocab)."""
-    seq = ids.shape[0]
-    if seq > model.config.block_size:
-        raise ValueError(f"sequence length {seq} exceeds block_size {model.config.block_size}")
-    pos = torch.arange(seq, device=ids.device)
-    x = model.drop(model.wte(ids[None]) + model.wpe(pos))
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = (_split_heads(t, attn.n_head) for t in attn.qkv(block.ln_1(x)).split(x.shape[-1], dim=2))
-        cache.k[layer, slot, :, :seq] = k[0]
-        cache.v[layer, slot, :, :seq] = v[0]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + attn.resid_dropout(attn.proj(_merge_heads(y)))
-        x = x + block.mlp(block.ln_2(x))
-    return F.linear(model.ln_f(x), model.wte.weight)[0]
+    if ids.shape[0] > model.config.block_size:
+        raise ValueError(f"sequence length {ids.shape[0]} exceeds block_size {model.config.block_size}")
+    slots = torch.tensor([slot], device=ids.device)
+    positions = torch.arange(ids.shape[0], device=ids.device)[None]
+    logits, _ = model(ids[None], cache=CacheStep(cache, slots, positions))
+    return logits[0]
 
 
 @torch.inference_mode()
@@ -90,23 +48,8 @@ def decode(
     """
     if int(positions.max()) >= model.config.block_size:
         raise ValueError("a sequence reached block_size: no position embedding beyond it")
-    span = int(positions.max()) + 1
-    # (B, 1, 1, span): query i may attend to keys 0..positions[i] of its own slot; the rest of the span is
-    # another (longer) sequence's length and holds stale or zero keys.
-    visible = (torch.arange(span, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
-    x = model.drop(model.wte(tokens) + model.wpe(positions))[:, None, :]  # (B, 1, C)
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn
-        q, k, v = (_split_heads(t, attn.n_head) for t in attn.qkv(block.ln_1(x)).split(x.shape[-1], dim=2))
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is (B, heads, head_dim).
-        cache.k[layer, slots, :, positions] = k[:, :, 0]
-        cache.v[layer, slots, :, positions] = v[:, :, 0]
-        keys = cache.k[layer, slots, :, :span]  # (B, heads, span, head_dim)
-        values = cache.v[layer, slots, :, :span]
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
-        x = x + attn.resid_dropout(attn.proj(_merge_heads(y)))
-        x = x + block.mlp(block.ln_2(x))
-    return F.linear(model.ln_f(x), model.wte.weight)[:, 0]
+    logits, _ = model(tokens[:, None], cache=CacheStep(cache, slots, positions[:, None]))
+    return logits[:, 0]
 
 
 # Rows of logits turned into fp32 log-probabilities at a time: an echoed 2048-token prompt over a 50k
