@@ -33,7 +33,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	bash dashboards/install_prometheus.sh
-	bash dashboards/install_alertmanager.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Installs Debian's `prometheus` package (the server and promtool) for the dashboards/alerts tests.
-# Idempotent: does nothing when both binaries are already on PATH. `ray metrics launch-prometheus`
-# downloads a release tarball and fails without internet, so the distribution package is the route.
+# Installs Debian's `prometheus` (the server and promtool) and `prometheus-alertmanager` (the server,
+# /usr/bin/prometheus-alertmanager, and amtool) for the dashboards, alerts and alert-routing tests.
+# Idempotent: installs only what is missing. `ray metrics launch-prometheus` and the upstream release
+# tarballs need internet access beyond the package mirrors, so the distribution packages are the route.
 set -euo pipefail
 
-if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then
-    echo "prometheus and promtool already installed: $(command -v prometheus), $(command -v promtool)"
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/bin/$1" ]; }
+
+missing=()
+{ have prometheus && have promtool; } || missing+=(prometheus)
+{ have prometheus-alertmanager && have amtool; } || missing+=(prometheus-alertmanager)
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "prometheus, promtool, prometheus-alertmanager and amtool already installed"
     exit 0
 fi
 
@@ -14,16 +20,18 @@ if [ "$(id -u)" -eq 0 ]; then
 elif command -v sudo >/dev/null 2>&1; then
     SUDO="sudo"
 else
-    echo "error: need root or sudo to apt-get install prometheus" >&2
+    echo "error: need root or sudo to apt-get install ${missing[*]}" >&2
     exit 1
 fi
 
-# noninteractive: the package's postinst must not prompt inside CI or `make test`.
+# noninteractive: the packages' postinst must not prompt inside CI or `make test`.
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update
-$SUDO apt-get install -y --no-install-recommends prometheus
+$SUDO apt-get install -y --no-install-recommends "${missing[@]}"
 
-# The package starts a system service where an init system exists; the tests run their own server
-# on a free loopback port, so a running service is harmless but not needed.
-command -v promtool >/dev/null 2>&1 || { echo "error: promtool missing after install" >&2; exit 1; }
-echo "installed: $(command -v prometheus) $(prometheus --version 2>&1 | head -n 1)"
+# The packages start system services where an init system exists; the tests run their own servers on
+# free loopback ports with the repo's configs, so those services are harmless but not needed.
+for binary in prometheus promtool prometheus-alertmanager amtool; do
+    have "$binary" || { echo "error: $binary missing after installing ${missing[*]}" >&2; exit 1; }
+done
+echo "installed: ${missing[*]}"

@@ -33,11 +33,10 @@ CONFIG_SD_DIR = "/tmp/raylm/prom_sd"  # the sd dir prometheus.yml names (cluster
 
 def find_binary(name: str) -> str:
     """promtool / prometheus / amtool / prometheus-alertmanager from PATH or Debian's /usr/bin
-    (dashboards/install_prometheus.sh and install_alertmanager.sh install them)."""
+    (dashboards/install_prometheus.sh installs them)."""
     found = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
     if found is None:
-        script = "install_alertmanager.sh" if name in ("amtool", "prometheus-alertmanager") else "install_prometheus.sh"
-        pytest.fail(f"{name} not found: run dashboards/{script}")
+        pytest.fail(f"{name} not found: run dashboards/install_prometheus.sh")
     return found
 
 

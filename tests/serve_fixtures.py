@@ -151,6 +151,18 @@ def worse_export_dir(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory
     return worse_export(tiny_export, tmp_path_factory.mktemp("serve-models-worse") / "tiny-ccnet")
 
 
+def one_replica_args(export: Path, sd_dir: Path, **extra: Any) -> dict:
+    """build_app's args for the API tests: one replica of ``export``, 4 batch slots, 16 requests in flight."""
+    return {
+        "model": str(export),
+        "num_replicas": 1,
+        "max_batch_size": 4,
+        "max_ongoing_requests": 16,
+        "metrics_sd_dir": str(sd_dir),
+        **extra,
+    }
+
+
 @contextlib.contextmanager
 def running_app(
     app_args: dict, app_name: str = "raylm", port: int | None = None, build: Callable[[dict], Any] | None = None

@@ -70,7 +70,7 @@ def test_install_script_is_idempotent_when_binaries_exist() -> None:
     find_binary("amtool")
     find_binary("prometheus-alertmanager")
     result = subprocess.run(
-        ["bash", str(DASHBOARDS / "install_alertmanager.sh")], capture_output=True, text=True, timeout=60
+        ["bash", str(DASHBOARDS / "install_prometheus.sh")], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and "already installed" in result.stdout, result.stdout + result.stderr
 

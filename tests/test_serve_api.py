@@ -23,7 +23,7 @@ import openai
 import pytest
 import requests
 import torch
-from serve_fixtures import documents, running_app, sse_events
+from serve_fixtures import documents, one_replica_args, running_app, sse_events
 
 from serve.app import server_deployment
 from serve.config import AppArgs
@@ -72,16 +72,8 @@ def build_faulty(args: dict):  # -> ray.serve.Application
 
 @pytest.fixture(scope="module")
 def base_url(long_context_export, tmp_path_factory) -> str:
-    args = {
-        "model": str(long_context_export),
-        "num_replicas": 1,
-        "max_batch_size": 4,
-        "max_ongoing_requests": 16,
-        "metrics_sd_dir": str(tmp_path_factory.mktemp("sd")),
-        "max_prompt_chars": MAX_PROMPT_CHARS,
-        "max_request_bytes": MAX_REQUEST_BYTES,
-        "max_choices": MAX_CHOICES,
-    }
+    caps = {"max_prompt_chars": MAX_PROMPT_CHARS, "max_request_bytes": MAX_REQUEST_BYTES, "max_choices": MAX_CHOICES}
+    args = one_replica_args(long_context_export, tmp_path_factory.mktemp("sd"), **caps)
     with running_app(args, build=build_faulty) as url:
         yield url
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 import torch
-from serve_fixtures import running_app, sse_events
+from serve_fixtures import one_replica_args, running_app, sse_events
 
 from serve.model_dir import load_model_dir
 
@@ -23,14 +23,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def base_url(long_context_export, tmp_path_factory) -> str:
-    args = {
-        "model": str(long_context_export),
-        "num_replicas": 1,
-        "max_batch_size": 4,
-        "max_ongoing_requests": 16,
-        "metrics_sd_dir": str(tmp_path_factory.mktemp("sd")),
-    }
-    with running_app(args) as url:
+    with running_app(one_replica_args(long_context_export, tmp_path_factory.mktemp("sd"))) as url:
         yield url
 
 
