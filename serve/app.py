@@ -186,6 +186,13 @@ class RequestAccounting:
         except asyncio.CancelledError:
             counted = (CLIENT_CLOSED, "abort")
             raise
+        except Exception:
+            if status is not None and not complete and outcome.status is None:
+                # The response had started and the handler recorded no error of its own (its errors mid-stream
+                # go out as SSE error events): sending failed because the client left, which the transport
+                # reports as an exception rather than a cancellation when the disconnect races a send.
+                counted = (CLIENT_CLOSED, "abort")
+            raise
         else:
             if status is None:
                 counted = (500, "error")  # the app returned without answering: a bug of ours
