@@ -129,6 +129,13 @@ def test_metrics_follow_the_run_dir_contract(runs: dict[str, Path]) -> None:
             assert r["strategy"] == name and r["world_size"] == world
             assert r["mfu"] is None  # CPU: no peak FLOP rate known
             assert len(r["peak_mem_bytes"]) == len(r["peak_rss_bytes"]) == world
+            # Every rank's timings, gathered with the memory figures; rank 0's own are the record's.
+            for key in ("step_time_s", "data_wait_s", "sync_wait_s"):
+                assert len(r[f"{key}_ranks"]) == world and r[f"{key}_ranks"][0] == r[key], key
+            waits_and_steps = zip(r["data_wait_s_ranks"], r["step_time_s_ranks"], strict=True)
+            assert all(0 <= wait <= step for wait, step in waits_and_steps)
+            if world == 1:
+                assert r["sync_wait_s"] == 0.0  # no peers to wait for
             assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0
         assert (path / "loss_curve.png").stat().st_size > 1000
     summary = json.loads((runs["ddp"] / "summary.json").read_text())

@@ -16,8 +16,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from train.dist import DistContext
-
 
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -51,13 +49,20 @@ def cuda_peak_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def gather_memory(ctx: DistContext, held_state_bytes: int) -> dict[str, list[int]]:
-    """Per-rank memory fields of a metrics record (a collective: every rank calls it at the same step).
+MemorySample = tuple[int, int | None, int]  # (held state bytes, CUDA peak bytes or None, peak RSS bytes)
+
+
+def local_memory(device: torch.device, held_state_bytes: int) -> MemorySample:
+    """This rank's memory figures, to be gathered with the other ranks' (see ``memory_fields``)."""
+    return held_state_bytes, cuda_peak_bytes(device), peak_rss_bytes()
+
+
+def memory_fields(per_rank: list[MemorySample]) -> dict[str, list[int]]:
+    """Per-rank memory fields of a metrics record, from every rank's ``local_memory`` (indexed by rank).
 
     ``peak_mem_bytes`` is CUDA's peak allocated bytes on GPU and the training state a rank holds on
     CPU, where there is no allocator high-water mark; ``state_bytes`` and ``peak_rss_bytes`` as named.
     """
-    per_rank = ctx.all_gather_object((held_state_bytes, cuda_peak_bytes(ctx.device), peak_rss_bytes()))
     return {
         "peak_mem_bytes": [cuda if cuda is not None else state for state, cuda, _ in per_rank],
         "state_bytes": [state for state, _, _ in per_rank],

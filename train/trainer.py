@@ -41,7 +41,7 @@ from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
-from train.memory import gather_memory, state_bytes
+from train.memory import local_memory, memory_fields, state_bytes
 from train.metrics import MetricsLogger
 from train.mixture import data_lineage_sha256, describe, load_sources
 from train.model import GPT
@@ -266,8 +266,7 @@ class Trainer(Stateful):
         mc = self.config.metrics
         report = last or step % mc.ray_report_interval == 0
         if report or step % mc.log_interval == 0 or "val_loss" in record or "checkpoint_stall_s" in record:
-            record.update(gather_memory(self.ctx, self.peak_state_bytes))
-            record.update(self._gather_timings(record))
+            record.update(self._gather_per_rank(record))
             self.metrics.log(record, report=report)
         if self.telemetry is not None:
             self.telemetry.observe_step(record)
@@ -478,11 +477,15 @@ class Trainer(Stateful):
         float(self.ctx.all_reduce(torch.zeros(1, device=self.ctx.device)))
         return time.perf_counter() - arrived
 
-    def _gather_timings(self, record: dict[str, Any]) -> dict[str, list[float]]:
-        """Every rank's step time, data wait and sync wait, for rank 0's metrics.jsonl (a collective)."""
+    def _gather_per_rank(self, record: dict[str, Any]) -> dict[str, list[Any]]:
+        """Every rank's memory figures, step time, data wait and sync wait, for rank 0's metrics.jsonl: one
+        collective (every rank calls it at the same step)."""
         keys = ("step_time_s", "data_wait_s", "sync_wait_s")
-        per_rank = self.ctx.all_gather_object(tuple(record[key] for key in keys))
-        return {f"{key}_ranks": [values[i] for values in per_rank] for i, key in enumerate(keys)}
+        local = (local_memory(self.ctx.device, self.peak_state_bytes), tuple(record[key] for key in keys))
+        per_rank = self.ctx.all_gather_object(local)
+        fields: dict[str, list[Any]] = memory_fields([memory for memory, _ in per_rank])
+        fields |= {f"{key}_ranks": [timings[i] for _, timings in per_rank] for i, key in enumerate(keys)}
+        return fields
 
     def _progress(self, phase: str) -> None:
         if self.watchdog is not None:
