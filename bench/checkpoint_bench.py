@@ -35,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sample_data import training_data  # noqa: E402
+from sample_data import add_data_args, training_data  # noqa: E402
 
 from checkpoints.manifest import list_checkpoints  # noqa: E402
 from train.config import TrainConfig, load_config  # noqa: E402
@@ -137,8 +137,7 @@ def measure(data: Path, root: Path, model: dict[str, Any], repeats: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
-    parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "checkpoint"))
+    add_data_args(parser, "checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
                         help="smallest setting (the tests use it): --repeats 1 and the demo model only")

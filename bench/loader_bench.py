@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sample_data import training_data  # noqa: E402
+from sample_data import add_data_args, training_data  # noqa: E402
 
 from train.config import load_config  # noqa: E402
 from train.data import StepBatches  # noqa: E402
@@ -221,8 +221,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
-    parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "loader"))
+    add_data_args(parser, "loader")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--prefetch", type=int, default=2, help="data.prefetch_steps of the read-ahead variants")

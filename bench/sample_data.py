@@ -6,6 +6,7 @@ make one with ``python -m pipeline run`` rather than a hand-built imitation of i
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,10 @@ def sample_pipeline_output(out: Path, vocab_size: int = 512) -> Path:
 def training_data(data: str | None, out: Path) -> Path:
     """The benches' ``--data`` directory if one was given, else the pipeline's output on data/sample under ``out``."""
     return Path(data) if data else sample_pipeline_output(out / "data")
+
+
+def add_data_args(parser: argparse.ArgumentParser, bench: str) -> None:
+    """``--data`` (read by :func:`training_data`) and ``--out`` (default ``runs/bench/<bench>``), as every training
+    bench takes them."""
+    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench" / bench))

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sample_data import training_data  # noqa: E402
+from sample_data import add_data_args, training_data  # noqa: E402
 
 from train.config import load_config  # noqa: E402
 from train.dist import free_port  # noqa: E402
@@ -213,8 +213,7 @@ def render(speed: dict[str, Any], mem: list[dict[str, Any]], out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
-    parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "train"))
+    add_data_args(parser, "train")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true",

@@ -154,34 +154,18 @@ def build_plan(spec: JobSpec, mfu: float | None = None) -> Plan:
         seq_len=seq_len,
     )
     compute = _compute_plan(spec, n_params, mfu)
-    checkpoint = _checkpoint_plan(spec, compute, notes)
-    batch = _batch_plan(spec, seq_len)
-    par = spec.parallelism
-    parallelism = ParallelismPlan(
-        tp=par.tp,
-        pp=par.pp,
-        dp=par.dp,
-        cp=par.cp,
-        product=par.product,
-        gpus=spec.cluster.gpus,
-        gpus_per_node=spec.cluster.gpus_per_node,
-        nodes=spec.cluster.nodes,
-        tp_within_node=par.tp <= spec.cluster.gpus_per_node,
-        sequence_parallel=par.sequence_parallel and par.tp > 1,
-    )
-    mem = _memory_plan(spec, n_params, seq_len, notes)
-    sizing = _sizing_plan(spec, n_params, mfu)
-    trainer = _trainer_plan(spec)
+    # Sections that add notes are built in this order, so the notes read in plan order.
+    checkpointing = _checkpoint_plan(spec, compute, notes)
     return Plan(
         job=spec.name,
         model=model,
         compute=compute,
-        batch=batch,
-        parallelism=parallelism,
-        memory=mem,
-        checkpointing=checkpoint,
-        sizing=sizing,
-        trainer=trainer,
+        batch=_batch_plan(spec, seq_len),
+        parallelism=_parallelism_plan(spec),
+        memory=_memory_plan(spec, n_params, seq_len, notes),
+        checkpointing=checkpointing,
+        sizing=_sizing_plan(spec, n_params, mfu),
+        trainer=_trainer_plan(spec),
         notes=notes,
     )
 
@@ -227,6 +211,22 @@ def _batch_plan(spec: JobSpec, seq_len: int) -> BatchPlan:
         global_batch_sequences=sequences,
         global_batch_tokens=tokens,
         optimizer_steps=math.ceil(t.tokens / tokens),
+    )
+
+
+def _parallelism_plan(spec: JobSpec) -> ParallelismPlan:
+    par, cl = spec.parallelism, spec.cluster
+    return ParallelismPlan(
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        cp=par.cp,
+        product=par.product,
+        gpus=cl.gpus,
+        gpus_per_node=cl.gpus_per_node,
+        nodes=cl.nodes,
+        tp_within_node=par.tp <= cl.gpus_per_node,
+        sequence_parallel=par.sequence_parallel and par.tp > 1,
     )
 
 

@@ -83,20 +83,8 @@ def running_prometheus(
         sd["refresh_interval"] = "1s"
         jobs.append(job)
     config["scrape_configs"] = jobs
-    config_file = workdir / "prometheus.yml"
-    config_file.write_text(yaml.safe_dump(config))
-    port = free_port()
-    with _running(
-        [
-            find_binary("prometheus"),
-            f"--config.file={config_file}",
-            f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            *(["--rules.alert.resend-delay=1s"] if alertmanager else []),
-        ],
-        f"http://127.0.0.1:{port}",
-        workdir / "prometheus.log",
-    ) as url:
+    extra = ["--rules.alert.resend-delay=1s"] if alertmanager else []
+    with _running("prometheus", config, workdir, f"--storage.tsdb.path={workdir / 'tsdb'}", *extra) as url:
         yield url
 
 
@@ -104,26 +92,22 @@ def running_prometheus(
 def running_alertmanager(config: dict, workdir: Path) -> Iterator[str]:
     """Debian's Alertmanager on a free loopback port with ``config``; yields its base URL. Gossip is off
     (``--cluster.listen-address=``): a lone test instance has no peers, and the default port may be taken."""
-    config_file = workdir / "alertmanager.yml"
-    config_file.write_text(yaml.safe_dump(config))
-    port = free_port()
     with _running(
-        [
-            find_binary("prometheus-alertmanager"),
-            f"--config.file={config_file}",
-            f"--storage.path={workdir / 'am-data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        f"http://127.0.0.1:{port}",
-        workdir / "alertmanager.log",
+        "prometheus-alertmanager", config, workdir, f"--storage.path={workdir / 'am-data'}", "--cluster.listen-address="
     ) as url:
         yield url
 
 
 @contextlib.contextmanager
-def _running(argv: list[str], url: str, log_file: Path) -> Iterator[str]:
-    """Runs a Prometheus-family server until its /-/ready answers 200; stops it on exit."""
+def _running(binary: str, config: dict, workdir: Path, *flags: str) -> Iterator[str]:
+    """Runs a Prometheus-family server (``binary``) with ``config`` on a free loopback port until its /-/ready
+    answers 200; yields its base URL and stops it on exit. Config and log go to ``workdir/<binary>.{yml,log}``."""
+    config_file = workdir / f"{binary}.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [find_binary(binary), f"--config.file={config_file}", f"--web.listen-address=127.0.0.1:{port}", *flags]
+    log_file = workdir / f"{binary}.log"
     log = log_file.open("w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -164,22 +164,27 @@ def test_prefetch_serves_bitwise_the_same_batches_through_position_jumps(token_d
     fresh.close()
 
 
-def test_prefetch_keeps_reading_ahead_while_the_caller_computes(token_dir: Path) -> None:
-    """With reads slower than nothing, a loader k steps ahead serves the next step without waiting for it."""
-    manifest = load_manifest(token_dir)
-    loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
-    read = loader.windows.read
+def test_prefetch_reads_the_next_steps_before_they_are_asked_for(token_dir: Path) -> None:
+    """While the caller computes, the read-ahead thread reads exactly the next ``prefetch_steps`` steps: no more
+    (memory stays bounded), and serving one of them reads nothing again."""
+    loader = TrainBatches(load_manifest(token_dir), 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
+    reads: list[tuple[int, str]] = []  # (step, reading thread), in the order the reads finished
+    original_read = loader.read_step
 
-    def slow_read(window: int, dtype: np.dtype) -> np.ndarray:
-        time.sleep(0.01)  # 4 reads a step: 40 ms a step
-        return read(window, dtype)
+    def recording_read(step: int) -> list[torch.Tensor]:
+        rows = original_read(step)
+        reads.append((step, threading.current_thread().name))
+        return rows
 
-    loader.windows.read = slow_read  # type: ignore[method-assign]
-    first = loader.next_step()
-    assert first.wait_s >= 0.03  # nothing was read ahead yet
-    time.sleep(0.3)  # "compute": long enough for the next two steps to be read
-    second, third = loader.next_step(), loader.next_step()
-    assert second.wait_s < 0.025 and third.wait_s < 0.025, (second.wait_s, third.wait_s)
+    loader.read_step = recording_read  # type: ignore[method-assign]
+    loader.next_step()
+    # Nothing asks for steps 1 and 2; they are read anyway. A deadline, not a sleep: no timing is asserted.
+    deadline = time.monotonic() + 60
+    while len(reads) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert reads == [(step, "train-prefetch-0") for step in (0, 1, 2)]
+    loader.next_step()  # step 1: served from the read above; only step 3 may be read from now on
+    assert [step for step, _ in reads].count(1) == 1 and {step for step, _ in reads} <= {0, 1, 2, 3}
     loader.close()
 
 

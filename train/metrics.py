@@ -14,6 +14,8 @@ from typing import Any
 from train.config import TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
+# Where a logged step record goes besides the file: ray.train.report on a Ray Train worker.
+Reporter = Callable[[dict[str, Any]], None]
 
 
 def _json_safe(value: Any) -> Any:
@@ -24,13 +26,7 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(
-        self,
-        config: TrainConfig,
-        is_main: bool,
-        reporter: Callable[[dict[str, Any]], None] | None = None,
-        append: bool = False,
-    ) -> None:
+    def __init__(self, config: TrainConfig, is_main: bool, reporter: Reporter | None = None, append: bool = False):
         """``append``: a resumed run keeps the records written so far (see ``truncate_from``)."""
         self.is_main = is_main
         self.reporter = reporter

@@ -59,13 +59,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Counter, Meter
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from cluster.otel_meter import prometheus_meter
 from cluster.scrape_targets import ScrapeEndpoint, safe_name
 from train.config import TrainConfig
 
@@ -82,6 +79,35 @@ NON_FINITE_GAUGES = {
     "raylm_train_grad_norm": "Global gradient norm of the step just finished, before clipping (NaN/Inf as reported).",
 }
 
+
+# OTel instruments, key -> (kind, name, unit, description); the module docstring lists them as Prometheus names
+# them. The memory gauges' keys are those of the per-rank lists in a step record.
+INSTRUMENTS = {
+    "steps": ("counter", "raylm.train.steps", "{step}", "Optimizer steps, skipped ones included."),
+    "skipped": ("counter", "raylm.train.steps.skipped", "{step}", "Steps whose update the guard skipped."),
+    "nonfinite": ("counter", "raylm.train.steps.nonfinite", "{step}", "Steps whose loss or grad norm was NaN or Inf."),
+    "rollbacks": ("counter", "raylm.train.rollbacks", "{rollback}", "Rollbacks to the last good checkpoint."),
+    "tokens": ("counter", "raylm.train.tokens", "{token}", "Tokens this rank processed (its share of each batch)."),
+    "step_time": ("counter", "raylm.train.step_time", "s", "This rank's wall time of its steps."),
+    "busy_time": ("counter", "raylm.train.busy_time", "s", "Step time minus the wait at the arrival probe."),
+    "data_wait": ("counter", "raylm.train.data_wait", "s", "Time this rank blocked waiting for its steps' data."),
+    "sync_wait": ("counter", "raylm.train.sync_wait", "s", "Time this rank waited for the others before grad sync."),
+    "checkpoints": ("counter", "raylm.train.checkpoints", "{checkpoint}", "Checkpoints saved."),
+    "step": ("gauge", "raylm.train.step", "{step}", "0-based index of the optimizer step just finished."),
+    "learning_rate": ("gauge", "raylm.train.learning_rate", "", "Learning rate of the latest step."),
+    "mfu": ("gauge", "raylm.train.mfu", "1", "Model FLOPs utilisation of the step just finished."),
+    "last_step_ts": ("gauge", "raylm.train.last_step.timestamp", "s", "Unix time the latest step finished."),
+    "checkpoint_interval": ("gauge", "raylm.train.checkpoint.interval", "s", "Expected seconds between saves."),
+    "checkpoint_stall": ("gauge", "raylm.train.checkpoint.stall", "s", "Seconds the latest saving step blocked."),
+    "last_checkpoint_ts": (
+        "gauge", "raylm.train.last_checkpoint.timestamp", "s",
+        "Unix time of the latest checkpoint save (the process's start before the first one).",
+    ),
+    "peak_mem_bytes": ("gauge", "raylm.train.memory.peak", "By", "Peak device memory (CUDA allocated; CPU: state)."),
+    "state_bytes": ("gauge", "raylm.train.memory.state", "By", "Parameters, gradients and optimizer state held."),
+    "peak_rss_bytes": ("gauge", "raylm.train.memory.peak_rss", "By", "Peak resident set size of this process."),
+}  # fmt: skip
+MEMORY_KEYS = ("peak_mem_bytes", "state_bytes", "peak_rss_bytes")
 
 def run_id_of(config: TrainConfig) -> str:
     """The run's label in Prometheus: ``metrics.run_id``, or the output dir's name."""
@@ -105,80 +131,25 @@ class TrainTelemetry:
         self._step_times: deque[float] = deque(maxlen=STEP_TIME_WINDOW)
         self._closed = False
 
-        self.registry = CollectorRegistry(auto_describe=True)
-        reader = PrometheusMetricReader(registry=self.registry, scope_info_enabled=False)
-        self.provider = MeterProvider(
-            metric_readers=[reader],
-            resource=Resource.create(
-                {"service.name": "raylm-train", "service.instance.id": f"{self.run_id}/rank{rank}"}
-            ),
-        )
-        meter = self.provider.get_meter("raylm.train")
+        exported = prometheus_meter("raylm-train", f"{self.run_id}/rank{rank}", "raylm.train", scope_labels=False)
+        self.registry, self.provider, meter = exported.registry, exported.provider, exported.meter
         self.last_values = _LastValues({"raylm_run_id": self.run_id, "raylm_rank": str(rank)})
         self.registry.register(self.last_values)
 
-        self.info = meter.create_gauge("raylm.train.info", description="1, with the run's strategy and world size.")
-        self.info.set(
-            1, {**self.attrs, "raylm.strategy": config.parallel.strategy, "raylm.world_size": str(world_size)}
-        )
-        self.step = meter.create_gauge(
-            "raylm.train.step", unit="{step}", description="0-based index of the optimizer step just finished."
-        )
-        self.steps = self._counter(meter, "raylm.train.steps", "{step}", "Optimizer steps, skipped ones included.")
-        self.skipped = self._counter(
-            meter, "raylm.train.steps.skipped", "{step}", "Steps whose update the guard skipped."
-        )
-        self.nonfinite = self._counter(
-            meter, "raylm.train.steps.nonfinite", "{step}", "Steps whose loss or grad norm was NaN or infinite."
-        )
-        self.rollbacks = self._counter(
-            meter, "raylm.train.rollbacks", "{rollback}", "Rollbacks to the last good checkpoint."
-        )
-        self.tokens = self._counter(
-            meter, "raylm.train.tokens", "{token}", "Tokens this rank processed (its share of each global batch)."
-        )
-        self.lr = meter.create_gauge("raylm.train.learning_rate", description="Learning rate of the latest step.")
-        self.mfu = meter.create_gauge(
-            "raylm.train.mfu", unit="1", description="Model FLOPs utilisation of the step just finished."
-        )
-        self.step_time = self._counter(meter, "raylm.train.step_time", "s", "This rank's wall time of its steps.")
-        self.busy_time = self._counter(
-            meter, "raylm.train.busy_time", "s", "Step time minus the wait at the arrival probe: this rank's own work."
-        )
-        self.data_wait = self._counter(
-            meter, "raylm.train.data_wait", "s", "Time this rank blocked waiting for its steps' data."
-        )
-        self.sync_wait = self._counter(
-            meter, "raylm.train.sync_wait", "s", "Time this rank waited for the other ranks before gradient sync."
-        )
-        self.last_step_ts = meter.create_gauge(
-            "raylm.train.last_step.timestamp", unit="s", description="Unix time the latest step finished."
-        )
-        self.ckpt_interval = meter.create_gauge(
-            "raylm.train.checkpoint.interval", unit="s", description="Expected seconds between periodic checkpoints."
-        )
-        self.ckpt_stall = meter.create_gauge(
-            "raylm.train.checkpoint.stall", unit="s", description="Seconds the latest checkpointing step blocked."
-        )
-        self.ckpt_saves = self._counter(meter, "raylm.train.checkpoints", "{checkpoint}", "Checkpoints saved.")
-        self.last_ckpt_ts = None
-        if config.checkpoint.enabled:
-            self.last_ckpt_ts = meter.create_gauge(
-                "raylm.train.last_checkpoint.timestamp", unit="s",
-                description="Unix time of the latest checkpoint save (the process's start before the first one).",
-            )  # fmt: skip
-            self.last_ckpt_ts.set(self.started, self.attrs)
+        info = meter.create_gauge("raylm.train.info", description="1, with the run's strategy and world size.")
+        info.set(1, {**self.attrs, "raylm.strategy": config.parallel.strategy, "raylm.world_size": str(world_size)})
+        specs = INSTRUMENTS.items()
+        self.counters = {key: self._counter(meter, *spec) for key, (kind, *spec) in specs if kind == "counter"}
+        self.gauges = {
+            key: meter.create_gauge(name, unit=unit, description=description)
+            for key, (kind, name, unit, description) in specs
+            # Without checkpointing there are no saves, and no timestamp to go stale.
+            if kind == "gauge" and (key != "last_checkpoint_ts" or config.checkpoint.enabled)
+        }
+        if "last_checkpoint_ts" in self.gauges:
+            self.gauges["last_checkpoint_ts"].set(self.started, self.attrs)
             # A time trigger alone is known before any step; a step trigger needs step times first.
             self._set_checkpoint_interval()
-        memory = {
-            "peak_mem_bytes": ("raylm.train.memory.peak", "Peak device memory (CUDA allocated; CPU: state held)."),
-            "state_bytes": ("raylm.train.memory.state", "Parameters, gradients and optimizer state this rank holds."),
-            "peak_rss_bytes": ("raylm.train.memory.peak_rss", "Peak resident set size of this rank's process."),
-        }
-        self.memory = {
-            key: meter.create_gauge(name, unit="By", description=description)
-            for key, (name, description) in memory.items()
-        }
 
         self.endpoint = ScrapeEndpoint(
             self.registry, host=config.metrics.prometheus_host, port=0, sd_dir=config.metrics.sd_dir,
@@ -209,42 +180,43 @@ class TrainTelemetry:
         if record.get("val_loss") is not None:
             self.last_values.set("raylm_train_val_loss", float(record["val_loss"]))
 
-        self.step.set(int(record["step"]), a)
-        self.steps.add(1, a)
+        counters, gauges = self.counters, self.gauges
+        gauges["step"].set(int(record["step"]), a)
+        counters["steps"].add(1, a)
         if record["skipped"]:
-            self.skipped.add(1, a)
+            counters["skipped"].add(1, a)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.nonfinite.add(1, a)
+            counters["nonfinite"].add(1, a)
         if record.get("rolled_back_to") is not None:
-            self.rollbacks.add(1, a)
-        self.tokens.add(record["step_tokens"] / self.world_size, a)
-        self.lr.set(float(record["lr"]), a)
+            counters["rollbacks"].add(1, a)
+        counters["tokens"].add(record["step_tokens"] / self.world_size, a)
+        gauges["learning_rate"].set(float(record["lr"]), a)
         if record.get("mfu") is not None:
-            self.mfu.set(float(record["mfu"]), a)
+            gauges["mfu"].set(float(record["mfu"]), a)
 
         step_time, sync_wait = float(record["step_time_s"]), float(record["sync_wait_s"])
-        self.step_time.add(step_time, a)
+        counters["step_time"].add(step_time, a)
         # Clock reads around the probe can put the wait a hair above the step's own span; counters must not
         # go backwards.
-        self.busy_time.add(max(0.0, step_time - sync_wait), a)
-        self.data_wait.add(float(record["data_wait_s"]), a)
-        self.sync_wait.add(sync_wait, a)
+        counters["busy_time"].add(max(0.0, step_time - sync_wait), a)
+        counters["data_wait"].add(float(record["data_wait_s"]), a)
+        counters["sync_wait"].add(sync_wait, a)
         self._step_times.append(step_time)
-        self.last_step_ts.set(now, a)
+        gauges["last_step_ts"].set(now, a)
 
         saves = _saves(record)
         if saves:
-            self.ckpt_saves.add(saves, a)
-            if self.last_ckpt_ts is not None:
-                self.last_ckpt_ts.set(now, a)
+            counters["checkpoints"].add(saves, a)
+            if "last_checkpoint_ts" in gauges:
+                gauges["last_checkpoint_ts"].set(now, a)
         if record.get("checkpoint_stall_s") is not None:
-            self.ckpt_stall.set(float(record["checkpoint_stall_s"]), a)
+            gauges["checkpoint_stall"].set(float(record["checkpoint_stall_s"]), a)
         self._set_checkpoint_interval()
 
-        for key, gauge in self.memory.items():
+        for key in MEMORY_KEYS:
             per_rank = record.get(key)
             if per_rank is not None and self.rank < len(per_rank) and per_rank[self.rank] is not None:
-                gauge.set(int(per_rank[self.rank]), a)
+                gauges[key].set(int(per_rank[self.rank]), a)
 
     def expected_checkpoint_interval(self) -> float | None:
         """Seconds between periodic saves: the time trigger, the step trigger × the median recent step time,
@@ -263,7 +235,7 @@ class TrainTelemetry:
     def _set_checkpoint_interval(self) -> None:
         interval = self.expected_checkpoint_interval()
         if interval is not None:
-            self.ckpt_interval.set(interval, self.attrs)
+            self.gauges["checkpoint_interval"].set(interval, self.attrs)
 
     def close(self) -> None:
         """Remove the sd file, stop the server, shut the provider down. Idempotent."""

@@ -42,7 +42,7 @@ from train.data import TrainBatches, ValBatches
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.memory import local_memory, memory_fields, state_bytes
-from train.metrics import MetricsLogger
+from train.metrics import MetricsLogger, Reporter
 from train.mixture import data_lineage_sha256, describe, load_sources
 from train.model import GPT
 from train.optim import build_optimizer, learning_rate, set_learning_rate
@@ -94,7 +94,7 @@ class Trainer(Stateful):
         self,
         config: TrainConfig,
         ctx: DistContext,
-        reporter: Callable[[dict[str, Any]], None] | None = None,
+        reporter: Reporter | None = None,
         ray_storage: bool = False,
         on_step_end: StepCallback | None = None,
         on_hang: Callable[[str], None] | None = None,
