@@ -6,14 +6,12 @@ and its lineage.json), ``GET /health``, ``GET /v1/engine/stats`` (batching count
 operators) and ``GET /v1/canary`` (the canary's last result, when the app runs one).
 
 One large or slow request must not hold up the others, which share this replica's event loop: the body
-is capped before it is read (Content-Length) and while it is read, prompts are capped in characters
-before they are tokenized, and tokenizing, detokenizing, log-probabilities and the building of large
-response bodies all run off the event loop (the engine's worker thread or the default executor).
+is capped (``serve/accounting.py``), prompts are capped in characters before they are tokenized, and
+tokenizing, detokenizing, log-probabilities and the building of large response bodies all run off the
+event loop (the engine's worker thread or the default executor).
 
-Every response to a counted route goes through ``RequestAccounting``, which counts it exactly once in
-``raylm_server_requests_total`` whatever produced it: a success, a validation error, an HTTP error from
-the router, an unhandled exception, a failure after a stream's headers went out, or a client that went
-away. Errors become OpenAI's body in one place, the exception handlers below.
+Errors become OpenAI's body, and every response to a counted route is counted once, in
+``serve/accounting.py``; the shapes of the choices, whole or streamed, are in ``serve/response_format.py``.
 
 Latency is measured where the tokens are: the arrival time is taken when the handler starts, and TTFT,
 TPOT and end-to-end latency are recorded inside the response generator as tokens are produced. (A timer
@@ -28,316 +26,47 @@ Deploy with ``python -m serve --model DIR`` or ``serve run serve/serve_config.ya
 # at runtime, and Serve's class-based view cannot resolve them as strings.
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve.accounting import CLIENT_CLOSED, Outcome, RequestAccounting, install_error_handlers, request_outcome
 from serve.config import DEFAULT_MAX_ONGOING_REQUESTS, AppArgs
-from serve.decoding import TokenLogprob
 from serve.detok import TokenBytes
 from serve.engine import Engine, Event, SamplingParams
 from serve.metrics import ServeMetrics
 from serve.model_dir import load_model_dir
 from serve.protocol import (
-    MAX_SEED,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    LegacyLogprobs,
     ScoreRequest,
-    chat_choice,
-    chat_delta,
-    chat_logprobs,
-    completion_choice,
     completion_id,
     parse_body,
     response_envelope,
     sse,
     usage,
 )
+from serve.response_format import ChatFormat, Choice, CompletionFormat, ResponseFormat, json_bytes, sample_seed
 
 log = logging.getLogger(__name__)
 
-CLIENT_CLOSED = 499
 MAX_SCORE_WINDOWS = 16  # /v1/score accepts up to 16 x block_size tokens: bounded work per request
-# Operator probes, polled by load balancers, dashboards and tests: counting them in raylm_server_requests_total
-# would dilute the 5xx ratio that RayLMErrorRateHigh alerts on. Every other path is counted.
-UNCOUNTED_PATHS = frozenset({"/health", "/v1/engine/stats", "/v1/canary"})
-OUTCOME_KEY = "raylm.outcome"  # where a request's Outcome lives in its ASGI scope
 
 api = FastAPI(title="raylm serve", description="OpenAI-compatible completions for raylm GPT exports.")
-
-
-# ---- errors and accounting: one place each ---------------------------------------------------------------
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
-
-
-@api.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    # Unknown routes and wrong methods get the same error shape as everything else.
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
-
-
-@api.exception_handler(RequestValidationError)
-async def _route_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's own parameter validation (path and query parameters) answers 422 in its own shape otherwise.
-    first = exc.errors()[0] if exc.errors() else {}
-    param = str(first.get("loc", ("", ""))[-1]) or None
-    return error_response(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param=param))
-
-
-@api.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error in %s", request.url.path)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
-
-
-@dataclass
-class Outcome:
-    """What only the handler knows about how its request ended, read by ``RequestAccounting``.
-
-    ``finish_reason``: stop | length for a generation. ``status``: set when the HTTP status that went out
-    is not the truth, i.e. a stream that failed (500) or lost its client (499) after its 200 was sent.
-    """
-
-    status: int | None = None
-    finish_reason: str | None = None
-
-
-def request_outcome(request: Request) -> Outcome:
-    # Requests on uncounted paths (and in-process use without the middleware) get a throwaway Outcome.
-    return request.scope.get(OUTCOME_KEY) or Outcome()
-
-
-class RequestAccounting:
-    """Pure ASGI middleware: the body cap, and one ``count_request`` per response of every counted route.
-
-    Pure ASGI rather than ``BaseHTTPMiddleware`` so streams pass through untouched and a cancellation
-    (client gone) reaches it as ``CancelledError``. It sits inside Starlette's ``ServerErrorMiddleware``: an
-    exception escaping here is turned into the 500 body by ``_internal_error`` after this has counted it.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        server = serve.get_replica_context().servable_object
-        cap = server.args.max_request_bytes
-        outcome = scope[OUTCOME_KEY] = Outcome()
-        status: int | None = None
-        complete = False
-        received = 0
-
-        async def recording_send(message: Message) -> None:
-            nonlocal status, complete
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                complete = True
-            await send(message)
-
-        async def capped_receive() -> Message:
-            # A body without Content-Length (chunked) or longer than it claimed is stopped at the cap, not
-            # buffered: the handler's request.body() raises, and the APIError handler answers 413.
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > cap:
-                    raise _too_large(cap)
-            return message
-
-        # Any other exception escaping the app is a server error (ServerErrorMiddleware renders its 500 body).
-        counted = (500, "error")
-        try:
-            declared = _content_length(scope)
-            if declared is not None and declared > cap:
-                await error_response(_too_large(cap))(scope, receive, recording_send)
-            else:
-                await self.app(scope, capped_receive, recording_send)
-        except asyncio.CancelledError:
-            counted = (CLIENT_CLOSED, "abort")
-            raise
-        except Exception:
-            if status is not None and not complete and outcome.status is None:
-                # The response had started and the handler recorded no error of its own (its errors mid-stream
-                # go out as SSE error events): sending failed because the client left, which the transport
-                # reports as an exception rather than a cancellation when the disconnect races a send.
-                counted = (CLIENT_CLOSED, "abort")
-            raise
-        else:
-            if status is None:
-                counted = (500, "error")  # the app returned without answering: a bug of ours
-            elif status >= 400:
-                counted = (status, "error")
-            elif outcome.status is not None:
-                counted = (outcome.status, outcome.finish_reason or "error")
-            elif not complete:
-                counted = (CLIENT_CLOSED, "abort")  # the response started and never finished: the client left
-            else:
-                counted = (status, outcome.finish_reason or "none")
-        finally:
-            server.metrics.count_request(*counted)
-
-
+install_error_handlers(api)
 api.add_middleware(RequestAccounting)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            with contextlib.suppress(ValueError):
-                return int(value)
-    return None
-
-
-def _too_large(cap: int) -> APIError:
-    return APIError(413, f"request body is larger than this server's limit of {cap} bytes", code="request_too_large")
-
-
-# ---- one choice of a request, and the two response formats ------------------------------------------------
-
-
-@dataclass
-class Choice:
-    """One sequence a request asked for (prompt x n), and what it has produced so far."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    echo: str | None = None  # text returned before the completion (completions' echo)
-    parts: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    opened: bool = False  # a stream sent this choice's first chunk (echo text, chat's role)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The client's prompt tokens: all of them, less the document-start token the server added (if it did)."""
-        return len(self.prompt_ids) - (0 if self.params.client_start else 1)
-
-    def record(self, event: Event) -> None:
-        self.parts.append(event.text)
-        self.logprobs.extend(event.logprobs)
-        self.prompt_logprobs.extend(event.prompt_logprobs or ())
-        self.completion_tokens = event.completion_tokens
-        self.finish_reason = event.finish_reason
-
-
-class ResponseFormat(Protocol):
-    """How /v1/completions or /v1/chat/completions shapes its choices, whole or streamed."""
-
-    object_full: str
-    object_chunk: str
-    id_prefix: str
-
-    def chunk(self, choice: Choice, event: Event) -> dict[str, Any] | None: ...
-
-    def full(self, choice: Choice) -> dict[str, Any]: ...
-
-
-class CompletionFormat:
-    """OpenAI's legacy ``text_completion``: text, and with ``logprobs`` the legacy logprobs object."""
-
-    object_full = object_chunk = "text_completion"
-    id_prefix = "cmpl"
-
-    def __init__(self, tokens: TokenBytes, logprobs: int | None) -> None:
-        self.tokens = tokens
-        self.with_logprobs = logprobs is not None
-        self.streamed: dict[int, LegacyLogprobs] = {}  # per choice: text offsets continue across chunks
-
-    def chunk(self, choice: Choice, event: Event) -> dict[str, Any] | None:
-        text, entries = event.text, [*(event.prompt_logprobs or ()), *event.logprobs]
-        if not choice.opened:
-            choice.opened = True
-            text = (choice.echo or "") + text
-        if not (text or entries or event.finish_reason):
-            return None
-        logprobs = None
-        if self.with_logprobs:
-            logprobs = self.streamed.setdefault(choice.index, LegacyLogprobs(self.tokens)).render(entries)
-        return completion_choice(choice.index, text, event.finish_reason, logprobs)
-
-    def full(self, choice: Choice) -> dict[str, Any]:
-        logprobs = None
-        if self.with_logprobs:
-            logprobs = LegacyLogprobs(self.tokens).render([*choice.prompt_logprobs, *choice.logprobs])
-        return completion_choice(
-            choice.index, (choice.echo or "") + "".join(choice.parts), choice.finish_reason, logprobs
-        )
-
-
-class ChatFormat:
-    """``chat.completion`` / ``chat.completion.chunk``: an assistant message, streamed as deltas."""
-
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def __init__(self, tokens: TokenBytes, top_logprobs: int | None) -> None:
-        self.tokens = tokens
-        self.top_logprobs = top_logprobs  # None: no logprobs
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, list[Any]] | None:
-        return None if self.top_logprobs is None else chat_logprobs(self.tokens, entries, self.top_logprobs)
-
-    def chunk(self, choice: Choice, event: Event) -> dict[str, Any] | None:
-        delta: dict[str, str] = {}
-        if not choice.opened:
-            choice.opened = True
-            delta = {"role": "assistant", "content": ""}  # OpenAI's first delta of a choice names the role
-        if event.text:
-            delta["content"] = event.text
-        if not (delta or event.finish_reason or event.logprobs):
-            return None
-        return chat_delta(choice.index, delta, event.finish_reason, self._logprobs(event.logprobs))
-
-    def full(self, choice: Choice) -> dict[str, Any]:
-        return chat_choice(choice.index, "".join(choice.parts), choice.finish_reason, self._logprobs(choice.logprobs))
-
-
-def sample_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of the ``sample``-th of a prompt's n samples: the request's own for the first (so a request
-    with n=2 starts with what the same request with n=1 returns), a hash of (seed, sample) for the others,
-    so every sample is reproducible and they differ from each other."""
-    if seed is None or sample == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}:{sample}".encode()).digest()[:8], "big") & MAX_SEED
-
-
-def _json_bytes(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # ---- the deployment ---------------------------------------------------------------------------------------
@@ -635,7 +364,7 @@ class CompletionServer:
             [fmt.full(choice) for choice in choices],
             usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
         )
-        return _json_bytes(body)
+        return json_bytes(body)
 
     async def _run(
         self, choices: list[Choice], arrival: float, outcome: Outcome

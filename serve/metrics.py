@@ -1,8 +1,8 @@
 """Serving metrics: the OpenTelemetry SDK, exported for Prometheus by a per-replica scrape endpoint.
 
-Why this route (see /work/shared/notes-serving.md): OTel's Prometheus exporter has no multiprocessing
-support and every Ray Serve replica is its own process, so each replica gets its own MeterProvider, its
-own ``prometheus_client`` registry and its own HTTP scrape port (0 = any free port). Prometheus finds
+Why this route: OTel's Prometheus exporter has no multiprocessing support and every Ray Serve replica is its
+own process, so each replica gets its own MeterProvider and ``prometheus_client`` registry
+(``cluster.otel_meter``) and its own HTTP scrape port (0 = any free port). Prometheus finds
 the replicas through file-based service discovery: each replica writes
 ``<sd_dir>/raylm-serve-<replica>.json`` naming its ``host:port`` and removes it on shutdown, so
 autoscaled replicas appear and disappear without config changes. Ray's own metrics pipeline
@@ -35,12 +35,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.metrics import CallbackOptions, Histogram, Meter, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
-from prometheus_client import CollectorRegistry
+from opentelemetry.metrics import CallbackOptions, Observation
 
+from cluster.otel_meter import prometheus_meter
 from cluster.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
 
 log = logging.getLogger(__name__)
@@ -74,6 +71,25 @@ DURATION_BUCKETS = (
 
 OPERATION = "text_completion"
 
+# Histograms of seconds, key -> (OTel instrument name, bucket boundaries, description).
+SECONDS_HISTOGRAMS = {
+    "ttft": (
+        "gen_ai.server.time_to_first_token", TTFT_BUCKETS,
+        "Time from request arrival to the first generated token, successful requests.",
+    ),
+    "tpot": (
+        "gen_ai.server.time_per_output_token", TPOT_BUCKETS,
+        "(e2e - TTFT) / (output tokens - 1) per successful request with two or more tokens.",
+    ),
+    "duration": (
+        "gen_ai.server.request.duration", DURATION_BUCKETS,
+        "Time from request arrival to the last token, successful requests.",
+    ),
+    "queue_time": (
+        "raylm.server.queue_time", DURATION_BUCKETS, "Time a request waited for a batch slot (arrival to prefill)."
+    ),
+}  # fmt: skip
+
 
 class ServeMetrics:
     """All instruments of one replica, plus its scrape endpoint and service-discovery file."""
@@ -96,29 +112,14 @@ class ServeMetrics:
             "raylm.lineage.id": lineage_id,
         }
         self._state = state
-        self.registry = CollectorRegistry(auto_describe=True)
-        reader = PrometheusMetricReader(registry=self.registry)
-        self.provider = MeterProvider(
-            metric_readers=[reader],
-            resource=Resource.create({"service.name": "raylm-serve", "service.instance.id": instance_name or ""}),
-        )
-        meter = self.provider.get_meter("raylm.serve")
-        self.ttft = _seconds_histogram(
-            meter, "gen_ai.server.time_to_first_token", TTFT_BUCKETS,
-            "Time from request arrival to the first generated token, successful requests.",
-        )
-        self.tpot = _seconds_histogram(
-            meter, "gen_ai.server.time_per_output_token", TPOT_BUCKETS,
-            "(e2e - TTFT) / (output tokens - 1) per successful request with two or more tokens.",
-        )
-        self.duration = _seconds_histogram(
-            meter, "gen_ai.server.request.duration", DURATION_BUCKETS,
-            "Time from request arrival to the last token, successful requests.",
-        )
-        self.queue_time = _seconds_histogram(
-            meter, "raylm.server.queue_time", DURATION_BUCKETS,
-            "Time a request waited for a batch slot (arrival to prefill).",
-        )
+        exported = prometheus_meter("raylm-serve", instance_name or "", "raylm.serve")
+        self.registry, self.provider, meter = exported.registry, exported.provider, exported.meter
+        self.seconds = {
+            key: meter.create_histogram(
+                name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets
+            )
+            for key, (name, buckets, description) in SECONDS_HISTOGRAMS.items()
+        }
         self.tokens = meter.create_counter(
             "raylm.server.token.usage", unit="{token}", description="Prompt (input) and generated (output) tokens."
         )
@@ -148,13 +149,13 @@ class ServeMetrics:
     # ---- recording ---------------------------------------------------------------------------------------
 
     def observe_success(self, ttft: float, e2e: float, output_tokens: int) -> None:
-        self.ttft.record(ttft, self.attrs)
-        self.duration.record(e2e, self.attrs)
+        self.seconds["ttft"].record(ttft, self.attrs)
+        self.seconds["duration"].record(e2e, self.attrs)
         if output_tokens >= 2:
-            self.tpot.record((e2e - ttft) / (output_tokens - 1), self.attrs)
+            self.seconds["tpot"].record((e2e - ttft) / (output_tokens - 1), self.attrs)
 
     def observe_queue(self, seconds: float) -> None:
-        self.queue_time.record(seconds, self.attrs)
+        self.seconds["queue_time"].record(seconds, self.attrs)
 
     def add_tokens(self, kind: str, n: int) -> None:
         if n:
@@ -221,6 +222,3 @@ def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:
     meter.create_observable_gauge("raylm.gpu.memory.used", callbacks=[memory], unit="By")  # type: ignore[attr-defined]
     return True
 
-
-def _seconds_histogram(meter: Meter, name: str, buckets: tuple[float, ...], description: str) -> Histogram:
-    return meter.create_histogram(name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets)

@@ -1,0 +1,178 @@
+"""HTTP error plumbing and per-response accounting for the serving app (``serve/app.py``).
+
+Errors become OpenAI's body (``{"error": {"message", "type", "param", "code"}}``) in one place, the exception
+handlers here, which ``install_error_handlers`` puts on the FastAPI app: ``APIError`` from the routes, the
+router's own HTTP errors (unknown route, wrong method), FastAPI's parameter validation, and anything unhandled.
+
+Every response to a counted route goes through ``RequestAccounting``, which counts it exactly once in
+``raylm_server_requests_total`` whatever produced it: a success, a validation error, an HTTP error from
+the router, an unhandled exception, a failure after a stream's headers went out, or a client that went
+away (status 499, nginx's "client closed request"). The handler tells it what only the handler knows (a
+generation's finish reason, a stream that failed after its 200) through the request's ``Outcome``.
+
+The same middleware caps the request body, before it is read (Content-Length) and while it is read, so one
+large request cannot hold up the others sharing the replica's event loop.
+"""
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499
+# Operator probes, polled by load balancers, dashboards and tests: counting them in raylm_server_requests_total
+# would dilute the 5xx ratio that RayLMErrorRateHigh alerts on. Every other path is counted.
+UNCOUNTED_PATHS = frozenset({"/health", "/v1/engine/stats", "/v1/canary"})
+OUTCOME_KEY = "raylm.outcome"  # where a request's Outcome lives in its ASGI scope
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods get the same error shape as everything else.
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+
+async def _route_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's own parameter validation (path and query parameters) answers 422 in its own shape otherwise.
+    first = exc.errors()[0] if exc.errors() else {}
+    param = str(first.get("loc", ("", ""))[-1]) or None
+    return error_response(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param=param))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s", request.url.path)
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render every error ``app`` raises, whatever raised it, as OpenAI's error body."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _route_validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+@dataclass
+class Outcome:
+    """What only the handler knows about how its request ended, read by ``RequestAccounting``.
+
+    ``finish_reason``: stop | length for a generation. ``status``: set when the HTTP status that went out
+    is not the truth, i.e. a stream that failed (500) or lost its client (499) after its 200 was sent.
+    """
+
+    status: int | None = None
+    finish_reason: str | None = None
+
+
+def request_outcome(request: Request) -> Outcome:
+    # Requests on uncounted paths (and in-process use without the middleware) get a throwaway Outcome.
+    return request.scope.get(OUTCOME_KEY) or Outcome()
+
+
+class RequestAccounting:
+    """Pure ASGI middleware: the body cap, and one ``count_request`` per response of every counted route.
+
+    Pure ASGI rather than ``BaseHTTPMiddleware`` so streams pass through untouched and a cancellation
+    (client gone) reaches it as ``CancelledError``. It sits inside Starlette's ``ServerErrorMiddleware``: an
+    exception escaping here is turned into the 500 body by ``_internal_error`` after this has counted it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        server = serve.get_replica_context().servable_object
+        cap = server.args.max_request_bytes
+        outcome = scope[OUTCOME_KEY] = Outcome()
+        status: int | None = None
+        complete = False
+        received = 0
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status, complete
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        async def capped_receive() -> Message:
+            # A body without Content-Length (chunked) or longer than it claimed is stopped at the cap, not
+            # buffered: the handler's request.body() raises, and the APIError handler answers 413.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > cap:
+                    raise _too_large(cap)
+            return message
+
+        # Any other exception escaping the app is a server error (ServerErrorMiddleware renders its 500 body).
+        counted = (500, "error")
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > cap:
+                await error_response(_too_large(cap))(scope, receive, recording_send)
+            else:
+                await self.app(scope, capped_receive, recording_send)
+        except asyncio.CancelledError:
+            counted = (CLIENT_CLOSED, "abort")
+            raise
+        except Exception:
+            if outcome.status is not None:
+                # The handler saw how the stream ended before the exception reached us: its client left (499),
+                # or its own error went out as an SSE error event (500).
+                counted = (outcome.status, outcome.finish_reason or "error")
+            elif status is not None and not complete:
+                # The response had started and the handler recorded nothing: sending failed because the client
+                # left, which the transport reports as an exception rather than a cancellation when the
+                # disconnect races a send.
+                counted = (CLIENT_CLOSED, "abort")
+            raise
+        else:
+            if status is None:
+                counted = (500, "error")  # the app returned without answering: a bug of ours
+            elif status >= 400:
+                counted = (status, "error")
+            elif outcome.status is not None:
+                counted = (outcome.status, outcome.finish_reason or "error")
+            elif not complete:
+                counted = (CLIENT_CLOSED, "abort")  # the response started and never finished: the client left
+            else:
+                counted = (status, outcome.finish_reason or "none")
+        finally:
+            server.metrics.count_request(*counted)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+def _too_large(cap: int) -> APIError:
+    return APIError(413, f"request body is larger than this server's limit of {cap} bytes", code="request_too_large")
