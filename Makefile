@@ -36,8 +36,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# Lint only: the code is wrapped by hand at 120 columns (rule tables keep one row per line), so ruff's
+# formatter is not part of the build.
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(DEMO)

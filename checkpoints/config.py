@@ -25,6 +25,12 @@ class CheckpointConfig(BaseModel):
     # Stage the state into CPU memory, then write (DCP async_save) and upload (Ray ASYNC upload
     # mode) in the background while training continues.
     async_save: bool = False
+    # Where Ray Train keeps the checkpoints: "" = the run dir itself (RUN/checkpoint_*); otherwise a URI or a
+    # path under which <storage>/<run dir name>/ receives them: s3://bucket/prefix or gs://bucket/prefix
+    # (Ray Train's pyarrow filesystems, with the standard credentials), or a mount every node shares. Object
+    # storage outlives the cluster: after losing every node, the same --output name with --resume continues
+    # from there on a new cluster. The run dir keeps metrics.jsonl, final/ and the rest.
+    storage: str = ""
     # Continue from the latest good checkpoint in the run dir (``python -m train ... --resume``).
     # After a worker failure Ray Train restarts the workers, which resume whatever this says.
     resume: bool = False

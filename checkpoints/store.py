@@ -8,6 +8,8 @@
   through its pyarrow filesystem) and registers the checkpoint once all ranks reported. Its
   checkpoint manager applies ``num_to_keep`` and hands the latest registered checkpoint to
   restarted workers (``ray.train.get_checkpoint()``), also across a new ``fit()`` on the same run dir.
+  Ray Train's ``storage_path`` is ``checkpoint.storage`` (a URI such as ``s3://bucket/prefix``, or a path), or
+  the run dir's parent when that is empty: :func:`storage_path`.
 """
 
 from __future__ import annotations
@@ -119,3 +121,49 @@ class RayStore:
                 continue
             out.append(RayCandidate(self._train.Checkpoint(path, filesystem=fs)))
         return out
+
+
+# Ray Train's record of its registered checkpoints, next to them in storage.
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+PROBE_FILE = ".raylm-storage-probe"
+
+
+def storage_path(storage: str, run_dir: str | Path) -> str:
+    """Ray Train's ``storage_path`` for a run: ``storage`` if set, else the run dir's parent (checkpoints then
+    land in the run dir itself, ``storage_path/<run dir name>``)."""
+    return storage or str(Path(run_dir).parent)
+
+
+def _filesystem(storage: str) -> tuple[Any, str]:
+    import pyarrow.fs
+
+    # The same resolution Ray Train applies to storage_path: a URI (s3://, gs://) or a local path.
+    return pyarrow.fs.FileSystem.from_uri(storage if "://" in storage else str(Path(storage).resolve()))
+
+
+def stored_checkpoints(storage: str, name: str) -> list[str]:
+    """What a new run named ``name`` would inherit from ``storage``: its checkpoint dirs (newest first) and
+    Ray Train's checkpoint snapshot, by name. Empty when nothing is there."""
+    import pyarrow.fs
+
+    fs, root = _filesystem(storage)
+    selector = pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
+    names = [info.base_name for info in fs.get_file_info(selector)]
+    found = sorted(((checkpoint_step(n), n) for n in names if checkpoint_step(n) is not None), reverse=True)
+    return [n for _, n in found] + [n for n in names if n == RAY_SNAPSHOT]
+
+
+def probe_storage(storage: str, name: str) -> None:
+    """Write, read back and delete a small file under ``storage/name``: unreachable storage, a missing bucket
+    or missing credentials fail here, before training, instead of at the first checkpoint hours later."""
+    fs, root = _filesystem(storage)
+    directory = f"{root.rstrip('/')}/{name}"
+    fs.create_dir(directory, recursive=True)
+    probe = f"{directory}/{PROBE_FILE}"
+    payload = b"raylm checkpoint storage probe\n"
+    with fs.open_output_stream(probe) as out:
+        out.write(payload)
+    with fs.open_input_stream(probe) as back:
+        if back.read() != payload:
+            raise OSError(f"{probe} read back different bytes than were written")
+    fs.delete_file(probe)

@@ -24,6 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -62,10 +63,8 @@ def use_s3_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, region: str 
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probing for credentials
 
 
-def upload_dir(endpoint: str, local_dir: str | Path, bucket: str, prefix: str,
-               files: list[str | Path] | None = None) -> str:
-    """Create ``bucket`` (if needed) and upload ``local_dir``'s files (all, recursively, or ``files``) under
-    ``prefix``, keeping their relative paths; return ``s3://bucket/prefix``."""
+def make_bucket(endpoint: str, bucket: str) -> Any:
+    """Create ``bucket`` on ``endpoint`` if it does not exist; returns a boto3 S3 client for that endpoint."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=FAKE_KEY_ID,
@@ -73,6 +72,14 @@ def upload_dir(endpoint: str, local_dir: str | Path, bucket: str, prefix: str,
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     if bucket not in existing:
         client.create_bucket(Bucket=bucket)
+    return client
+
+
+def upload_dir(endpoint: str, local_dir: str | Path, bucket: str, prefix: str,
+               files: list[str | Path] | None = None) -> str:
+    """Create ``bucket`` (if needed) and upload ``local_dir``'s files (all, recursively, or ``files``) under
+    ``prefix``, keeping their relative paths; return ``s3://bucket/prefix``."""
+    client = make_bucket(endpoint, bucket)
     root = Path(local_dir)
     chosen = [root / f for f in files] if files is not None else sorted(p for p in root.rglob("*") if p.is_file())
     for path in chosen:

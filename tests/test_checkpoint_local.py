@@ -238,3 +238,11 @@ def test_resume_with_dropout_in_a_fresh_process_restores_the_rng_bitwise(
         assert torch.equal(resumed[key], value), key  # bitwise
     got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
     assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
+
+
+def test_checkpoint_storage_is_refused_without_ray_train(token_dir: Path, tmp_path: Path) -> None:
+    """checkpoint.storage is Ray Train's storage_path: an in-process run has none, and must not quietly write its
+    checkpoints into the run dir instead."""
+    config = make_config(token_dir, tmp_path / "run", **{"checkpoint.storage": "s3://bucket/prefix"})
+    with pytest.raises(ValueError, match=r"checkpoint.storage is Ray Train's storage: it needs a Ray run"):
+        Trainer(config, CPU)

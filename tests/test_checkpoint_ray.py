@@ -12,21 +12,26 @@ Runs (8 steps, tiny model, fp32, dropout 0), each started once for the whole mod
   resharded from 2 ranks to 1 (no steps left to train, so the final model is the loaded one).
 - ``ddp_hung``: ``ddp_ref``'s config with ``max_failures=1`` and an 8 s hang timeout; rank 1 stops making
   progress after step 5 (a ``HangOnce`` step callback); the watchdog fails the worker, Ray restarts the group.
+- ``ddp_s3``: ``ddp_resumed`` with ``checkpoint.storage`` on S3 (moto's server): the crashed run's checkpoints
+  are in the bucket only, and ``--resume`` in a new, empty run dir of the same name (the first cluster and
+  its disks are gone) continues from S3.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.fs
 import pytest
 import ray
 import torch
 from ray.train import WorkerGroupError
+from remote_servers import make_bucket, moto_server, use_s3_endpoint
 from safetensors.torch import load_file
 from step_callbacks import HangOnce, KillOnce, fault_marker
 from train_fixtures import tiny_overrides
@@ -46,18 +51,20 @@ REPO = Path(__file__).parents[1]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    # The controller polls workers every 2 s by default, and each ray.train.report waits for a poll:
-    # a shorter interval keeps these few-second runs from idling. Read by the controller at start.
-    previous = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-    if previous is None:
-        os.environ.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
-    else:
-        os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = previous
+def ray_cluster() -> Iterator[str]:
+    """Local Ray, and moto's S3 server with a bucket; yields the bucket's URI. The AWS variables are set before
+    Ray starts so that its workers inherit them."""
+    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        use_s3_endpoint(env, endpoint)
+        # The controller polls workers every 2 s by default, and each ray.train.report waits for a poll:
+        # a shorter interval keeps these few-second runs from idling. Read by the controller at start.
+        env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+        make_bucket(endpoint, "raylm-checkpoints")
+        ray.init(num_cpus=2, include_dashboard=False)
+        try:
+            yield "s3://raylm-checkpoints"
+        finally:
+            ray.shutdown()
 
 
 def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: object):
@@ -67,9 +74,9 @@ def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: obje
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(ray_cluster: str, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt_runs")
-    names = ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1", "ddp_hung")
+    names = ("fsdp_ref", "fsdp_killed", "ddp_ref", "ddp_resumed", "fsdp1", "ddp_hung", "ddp_s3")
     out = {name: root / name for name in names}
     keep2 = {"checkpoint.num_to_keep": 2}
     launch(config_for(token_dir, out["fsdp_ref"], "fsdp", 2, **keep2, **{"checkpoint.async_save": True}))
@@ -85,6 +92,17 @@ def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
     resume = {"checkpoint.resume": True}
     launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4, **resume), on_step_end=crash)
+
+    # Checkpoints on S3: the crashed run's dir is then thrown away, and the run is resumed in a new one.
+    on_s3 = {"checkpoint.storage": f"{ray_cluster}/runs", **every4}
+    crashed = root / "lost_node" / "ddp_s3"
+    with pytest.raises(WorkerGroupError):
+        launch(config_for(token_dir, crashed, "ddp", 2, **on_s3), on_step_end=KillOnce(step=5, rank=0))
+    assert list_checkpoints(crashed) == []  # nothing but the bucket holds them
+    with pytest.raises(PreflightError, match=r"s3://raylm-checkpoints/runs/ddp_s3 already holds checkpoints"):
+        launch(config_for(token_dir, out["ddp_s3"], "ddp", 2, **on_s3))
+    shutil.rmtree(crashed.parent)
+    launch(config_for(token_dir, out["ddp_s3"], "ddp", 2, **on_s3, **resume))
 
     hang = {"checkpoint.max_failures": 1, "guard.hang_timeout_s": 8}
     launch(config_for(token_dir, out["ddp_hung"], "ddp", 2, **every4, **hang), on_step_end=HangOnce(step=5, rank=1))
@@ -145,6 +163,27 @@ def test_a_hung_rank_is_failed_by_the_watchdog_and_the_restart_matches_the_unint
     assert [(r["checkpoint"], r["step"]) for r in resumed] == [("checkpoint_step_000000004", 4)]
     assert losses(hung) == losses(runs["ddp_ref"])
     assert_same_weights(hung, runs["ddp_ref"])
+
+
+def test_a_run_resumes_from_checkpoints_on_object_storage_in_a_new_run_dir(runs: dict[str, Path]) -> None:
+    run = runs["ddp_s3"]
+    info = final_info(run)["resumed_from"]
+    assert [(r["checkpoint"], r["step"]) for r in info] == [("checkpoint_step_000000004", 4)]
+    # The new run dir saw steps 4..7 only; they and the final weights are the uninterrupted run's, bit for bit.
+    assert losses(run) == losses(runs["ddp_ref"])[4:]
+    assert_same_weights(run, runs["ddp_ref"])
+    assert list_checkpoints(run) == []
+    fs, root = pyarrow.fs.FileSystem.from_uri("s3://raylm-checkpoints/runs/ddp_s3")
+    stored = {i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))}
+    assert {"checkpoint_step_000000004", "checkpoint_step_000000008"} <= stored
+    assert ".raylm-storage-probe" not in stored
+
+
+def test_unusable_checkpoint_storage_fails_before_training(runs: dict[str, Path], token_dir: Path) -> None:
+    run = runs["ddp_ref"].parent / "no_bucket"
+    with pytest.raises(PreflightError, match=r"checkpoint storage s3://no-such-bucket/x/no_bucket is not usable"):
+        launch(config_for(token_dir, run, "ddp", 2, **{"checkpoint.storage": "s3://no-such-bucket/x"}))
+    assert not (run / "metrics.jsonl").exists()
 
 
 def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Path], token_dir: Path) -> None:

@@ -3,7 +3,6 @@ fail the first requests and reset connections, and produces the same documents a
 
 import gzip
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pyarrow.dataset as pads
 import pytest
 import ray
 from conftest import REPO, SAMPLE
-from remote_servers import FAKE_KEY_ID, FAKE_SECRET, FaultPlan, http_server, moto_server, upload_dir
+from remote_servers import FaultPlan, http_server, moto_server, upload_dir, use_s3_endpoint
 
 from pipeline.config import load_config
 from pipeline.executor import run_pipeline
@@ -22,23 +21,13 @@ DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """moto's S3 server; the AWS variables are set before Ray starts so its workers inherit them."""
-    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-             "AWS_EC2_METADATA_DISABLED")
-    saved = {n: os.environ.get(n) for n in names}
-    with moto_server() as endpoint:
-        os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
-                           "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_REGION": "us-east-1",
-                           "AWS_EC2_METADATA_DISABLED": "true"})
+    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        use_s3_endpoint(env, endpoint)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             yield endpoint
         finally:
             ray.shutdown()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

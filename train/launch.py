@@ -13,6 +13,7 @@ import yaml
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from checkpoints.store import storage_path
 from train.config import TrainConfig
 from train.curves import summarize
 from train.guard import TrainingDiverged
@@ -67,10 +68,10 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
         # Every collective's timeout: a rank that never joins one fails its peers after this long.
         torch_config=TorchConfig(timeout_s=p.collective_timeout_s),
         scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
-        # The run dir is Ray Train's run dir (storage_path/name), so its checkpoints land next to
-        # metrics.jsonl.
+        # Ray Train's run dir is storage_path/name: the run dir itself (checkpoints next to metrics.jsonl)
+        # unless checkpoint.storage names other storage, such as an S3 prefix.
         run_config=RunConfig(
-            storage_path=str(output.parent),
+            storage_path=storage_path(config.checkpoint.storage, output),
             name=output.name,
             checkpoint_config=ray_checkpoint_config(config, has_val=bool(manifest.split("val"))),
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),

@@ -89,17 +89,22 @@ def check_extras(config: TrainConfig) -> None:
 
 
 def check_checkpoints(config: TrainConfig, run_dir: Path) -> None:
-    """A run dir that already holds checkpoints is continued only on request: Ray Train would hand
-    its latest checkpoint to the workers of any new run there (it restores its checkpoint manager
-    from the run dir), so without --resume a fresh run would silently continue the old one."""
-    from checkpoints.manifest import list_checkpoints
+    """The checkpoint storage is writable, and a run whose storage already holds checkpoints is continued
+    only on request: Ray Train would hand its latest checkpoint to the workers of any new run there (it
+    restores its checkpoint manager from storage), so without --resume a fresh run would silently continue
+    the old one."""
+    from checkpoints.store import probe_storage, storage_path, stored_checkpoints
 
-    if config.checkpoint.resume or not run_dir.is_dir():
-        return
-    existing = list_checkpoints(run_dir)
-    if existing or (run_dir / "checkpoint_manager_snapshot.json").exists():
-        names = ", ".join(p.name for p in existing[:3]) or "a Ray checkpoint snapshot"
+    storage = storage_path(config.checkpoint.storage, run_dir)
+    where = f"{storage.rstrip('/')}/{run_dir.name}"
+    try:
+        existing = stored_checkpoints(storage, run_dir.name)
+        probe_storage(storage, run_dir.name)
+    except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses, by filesystem and cause
+        raise PreflightError(f"checkpoint storage {where} is not usable: {exc}") from exc
+    if existing and not config.checkpoint.resume:
+        names = ", ".join(existing[:3])
         raise PreflightError(
-            f"{run_dir} already holds checkpoints ({names}): pass --resume to continue that run, "
+            f"{where} already holds checkpoints ({names}): pass --resume to continue that run, "
             "or choose a new --output"
         )

@@ -152,6 +152,8 @@ class Trainer(Stateful):
         self.checkpointer: Checkpointer | None = None
         self.resuming = False
         if config.checkpoint.enabled:
+            if config.checkpoint.storage and not ray_storage:
+                raise ValueError("checkpoint.storage is Ray Train's storage: it needs a Ray run (python -m train)")
             store = RayStore(config.checkpoint.async_save) if ray_storage else LocalStore(config.output_dir)
             run_info = {
                 "strategy": cfg_par.strategy,

@@ -9,8 +9,11 @@ STRATEGY="${STRATEGY:-ddp}"             # single | ddp | fsdp
 WORKERS="${WORKERS:-8}"                 # 8 = two g5.12xlarge GPU workers
 STEPS="${STEPS:-2000}"
 RUN="$SHARED/runs/gpt-$STRATEGY"
+# Optional: checkpoints on object storage, which outlives the cluster (s3://bucket/prefix; see checkpoints/README.md).
+CHECKPOINT_STORAGE="${CHECKPOINT_STORAGE:-}"
 
 submit train -- python -m train --data "$SHARED/data" --output "$RUN" \
-  --strategy "$STRATEGY" --workers "$WORKERS" --steps "$STEPS" "$@"
+  --strategy "$STRATEGY" --workers "$WORKERS" --steps "$STEPS" \
+  ${CHECKPOINT_STORAGE:+--set "checkpoint.storage=$CHECKPOINT_STORAGE"} "$@"
 
 submit export -- python -m train.export --run "$RUN" --output "$SHARED/models/gpt-$STRATEGY"
