@@ -1,24 +1,47 @@
 """python -m checkpoints inspect|verify PATH: what a checkpoint holds, and whether it is intact.
 
 PATH is one checkpoint dir (``<run>/checkpoint_step_000000100``) or a run dir (then every checkpoint
-in it, newest first). ``verify`` exits 1 when any checkpoint fails, naming the corrupt file.
+in it, newest first), local or in object storage (``s3://bucket/prefix/<run>``, as ``checkpoint.storage``
+puts them). ``verify`` exits 1 when any checkpoint fails, naming the corrupt file; a remote checkpoint is
+hashed as it streams in. ``inspect`` of a remote one fetches only its manifest and DCP's ``.metadata``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, list_checkpoints, verify
+from checkpoints.location import filesystem, is_file, is_uri, join
+from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_names, verify
 
 
-def _targets(path: Path) -> list[Path]:
-    if (path / MANIFEST_FILE).is_file() or (path / ".metadata").is_file():
+def _targets(path: str) -> list[str]:
+    fs, root = filesystem(path)
+    if any(is_file(fs, join(root, name)) for name in (MANIFEST_FILE, ".metadata")):
         return [path]
-    return list_checkpoints(path)
+    return [join(path, name) for name in checkpoint_names(path)]
+
+
+@contextlib.contextmanager
+def _readable_here(target: str) -> Iterator[Path]:
+    """``target`` as a local dir holding what ``describe`` reads: itself, or for a URI a temporary copy of its
+    manifest and DCP's ``.metadata`` (the shards, nearly all of the bytes, stay where they are)."""
+    if not is_uri(target):
+        yield Path(target)
+        return
+    fs, root = filesystem(target)
+    with tempfile.TemporaryDirectory(prefix="raylm-inspect-") as tmp:
+        for name in (MANIFEST_FILE, ".metadata"):
+            if is_file(fs, join(root, name)):
+                with fs.open_input_stream(join(root, name)) as src:
+                    (Path(tmp) / name).write_bytes(src.read())
+        yield Path(tmp)
 
 
 def _human(n: int | None) -> str:
@@ -32,10 +55,11 @@ def _human(n: int | None) -> str:
     return str(n)
 
 
-def inspect(path: Path, as_json: bool) -> dict[str, Any]:
+def inspect(path: str, as_json: bool) -> dict[str, Any]:
     from checkpoints.checkpointer import describe  # imports torch: only when needed
 
-    info = describe(path)
+    with _readable_here(path) as local:
+        info = describe(local)
     if as_json:
         return info
     m = info["manifest"]
@@ -67,15 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="step, world size, lineage, files with sha256, tensors with sizes")
-    p_inspect.add_argument("path", type=Path)
+    p_inspect.add_argument("path", help="checkpoint dir or run dir: a local path or a URI (s3://…)")
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
     p_verify = sub.add_parser(
         "verify", help="check every file's size and sha256 against the manifest; exit 1 naming the corrupt file"
     )
-    p_verify.add_argument("path", type=Path)
+    p_verify.add_argument("path", help="checkpoint dir or run dir: a local path or a URI (s3://…)")
     args = parser.parse_args(argv)
 
-    targets = _targets(args.path)
+    try:
+        targets = _targets(args.path)
+    except OSError as exc:  # unreachable storage, missing bucket or credentials
+        print(f"error: cannot read {args.path}: {exc}", file=sys.stderr)
+        return 2
     if not targets:
         print(f"error: no checkpoint at {args.path}", file=sys.stderr)
         return 2

@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from train.manifest import sha256_file  # one file-hash helper for the data contract and checkpoints
+import pyarrow.fs
+
+from checkpoints.location import filesystem, is_file, join
+from train.manifest import sha256_file, sha256_stream  # one file-hash helper for the data contract and checkpoints
 
 MANIFEST_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -54,11 +57,14 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST_FILE
-    if not path.is_file():
+    """The manifest of a checkpoint dir (a local path or a URI such as ``s3://…``), or ``CorruptCheckpoint``."""
+    fs, root = filesystem(directory)
+    path = join(root, MANIFEST_FILE)
+    if not is_file(fs, path):
         raise CorruptCheckpoint(directory, "no manifest: the save did not complete", MANIFEST_FILE)
     try:
-        manifest = json.loads(path.read_text())
+        with fs.open_input_stream(path) as fh:
+            manifest = json.loads(fh.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpoint(directory, f"unreadable manifest ({exc})", MANIFEST_FILE) from exc
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -67,21 +73,22 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 
 def verify(directory: str | Path) -> dict[str, Any]:
-    """Check every file against the manifest; returns the manifest or raises ``CorruptCheckpoint``."""
-    directory = Path(directory)
+    """Check every file against the manifest; returns the manifest or raises ``CorruptCheckpoint``. ``directory``
+    may be a URI (``s3://…``): the files are then hashed as they stream in, nothing is written to disk."""
+    fs, root = filesystem(directory)
     manifest = read_manifest(directory)
     files = manifest.get("files") or {}
     if ".metadata" not in files:
         raise CorruptCheckpoint(directory, "manifest lists no DCP .metadata", MANIFEST_FILE)
     for name, expected in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
+        info = fs.get_file_info(join(root, name))
+        if info.type != pyarrow.fs.FileType.File:
             raise CorruptCheckpoint(directory, "missing", name)
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CorruptCheckpoint(directory, f"size {size} != {expected['bytes']} in the manifest", name)
-        if sha256_file(path) != expected["sha256"]:
-            raise CorruptCheckpoint(directory, "sha256 does not match the manifest", name)
+        if info.size != expected["bytes"]:
+            raise CorruptCheckpoint(directory, f"size {info.size} != {expected['bytes']} in the manifest", name)
+        with fs.open_input_stream(join(root, name)) as fh:
+            if sha256_stream(fh) != expected["sha256"]:
+                raise CorruptCheckpoint(directory, "sha256 does not match the manifest", name)
     return manifest
 
 
@@ -93,10 +100,15 @@ def checkpoint_step(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+def checkpoint_names(location: str | Path) -> list[str]:
+    """Names of the checkpoint dirs directly under ``location`` (a local path or a URI), newest first (by step,
+    then by rollback suffix); empty when it does not exist."""
+    fs, root = filesystem(location)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+    found = [(checkpoint_step(i.base_name), i.base_name) for i in infos if i.type == pyarrow.fs.FileType.Directory]
+    return [name for step, name in sorted((f for f in found if f[0] is not None), reverse=True)]
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Checkpoint dirs in a run dir, newest first (by step, then by rollback suffix)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        return []
-    found = [(checkpoint_step(p.name), p.name, p) for p in run.iterdir() if p.is_dir()]
-    return [p for step, _, p in sorted((f for f in found if f[0] is not None), reverse=True)]
+    """Checkpoint dirs in a local run dir, newest first."""
+    return [Path(run_dir) / name for name in checkpoint_names(run_dir)]

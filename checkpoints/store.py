@@ -21,7 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from checkpoints.manifest import MANIFEST_FILE, checkpoint_step, list_checkpoints
+import pyarrow.fs
+
+from checkpoints.location import filesystem, is_file, join
+from checkpoints.manifest import MANIFEST_FILE, checkpoint_names, checkpoint_step, list_checkpoints
 
 
 class Candidate(Protocol):
@@ -102,8 +105,6 @@ class RayStore:
         """Ray's latest registered checkpoint first, then older checkpoint dirs in the run dir (in case
         the latest fails verification). Newer dirs than the latest registered one were never
         committed by Ray (a save cut off mid-upload) and are left out."""
-        import pyarrow.fs
-
         latest = self._train.get_checkpoint()
         storage = self._train.get_context().get_storage()
         fs, root = storage.storage_filesystem, storage.experiment_fs_path
@@ -134,32 +135,20 @@ def storage_path(storage: str, run_dir: str | Path) -> str:
     return storage or str(Path(run_dir).parent)
 
 
-def _filesystem(storage: str) -> tuple[Any, str]:
-    import pyarrow.fs
-
-    # The same resolution Ray Train applies to storage_path: a URI (s3://, gs://) or a local path.
-    return pyarrow.fs.FileSystem.from_uri(storage if "://" in storage else str(Path(storage).resolve()))
-
-
 def stored_checkpoints(storage: str, name: str) -> list[str]:
     """What a new run named ``name`` would inherit from ``storage``: its checkpoint dirs (newest first) and
     Ray Train's checkpoint snapshot, by name. Empty when nothing is there."""
-    import pyarrow.fs
-
-    fs, root = _filesystem(storage)
-    selector = pyarrow.fs.FileSelector(f"{root.rstrip('/')}/{name}", allow_not_found=True)
-    names = [info.base_name for info in fs.get_file_info(selector)]
-    found = sorted(((checkpoint_step(n), n) for n in names if checkpoint_step(n) is not None), reverse=True)
-    return [n for _, n in found] + [n for n in names if n == RAY_SNAPSHOT]
+    fs, root = filesystem(join(storage, name))
+    snapshot = is_file(fs, join(root, RAY_SNAPSHOT))
+    return checkpoint_names(join(storage, name)) + ([RAY_SNAPSHOT] if snapshot else [])
 
 
 def probe_storage(storage: str, name: str) -> None:
     """Write, read back and delete a small file under ``storage/name``: unreachable storage, a missing bucket
     or missing credentials fail here, before training, instead of at the first checkpoint hours later."""
-    fs, root = _filesystem(storage)
-    directory = f"{root.rstrip('/')}/{name}"
+    fs, directory = filesystem(join(storage, name))
     fs.create_dir(directory, recursive=True)
-    probe = f"{directory}/{PROBE_FILE}"
+    probe = join(directory, PROBE_FILE)
     payload = b"raylm checkpoint storage probe\n"
     with fs.open_output_stream(probe) as out:
         out.write(payload)

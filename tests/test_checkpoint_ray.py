@@ -179,6 +179,33 @@ def test_a_run_resumes_from_checkpoints_on_object_storage_in_a_new_run_dir(runs:
     assert ".raylm-storage-probe" not in stored
 
 
+def test_the_checkpoints_cli_verifies_and_inspects_checkpoints_in_object_storage(runs: dict[str, Path]) -> None:
+    run_uri = "s3://raylm-checkpoints/runs/ddp_s3"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        # The AWS variables pointing at moto are in this process's environment (the ray_cluster fixture).
+        return subprocess.run([sys.executable, "-m", "checkpoints", *args], capture_output=True, text=True, cwd=REPO)
+
+    verified = cli("verify", run_uri)
+    assert verified.returncode == 0, verified.stderr
+    assert f"OK   {run_uri}/checkpoint_step_000000008: step 8" in verified.stdout
+    inspected = cli("inspect", "--json", f"{run_uri}/checkpoint_step_000000004")
+    assert inspected.returncode == 0, inspected.stderr
+    info = json.loads(inspected.stdout)
+    assert info["manifest"]["step"] == 4 and any(e["key"].startswith("model.") for e in info["entries"])
+
+    # One flipped byte in a stored shard: verify streams it, finds it and names the file.
+    fs, root = pyarrow.fs.FileSystem.from_uri(f"{run_uri}/checkpoint_step_000000004")
+    with fs.open_input_stream(f"{root}/__1_0.distcp") as src:
+        shard = bytearray(src.read())
+    shard[len(shard) // 2] ^= 0xFF
+    with fs.open_output_stream(f"{root}/__1_0.distcp") as out:
+        out.write(bytes(shard))
+    failed = cli("verify", f"{run_uri}/checkpoint_step_000000004")
+    assert failed.returncode == 1
+    assert "sha256 does not match the manifest (file: __1_0.distcp)" in failed.stderr
+
+
 def test_unusable_checkpoint_storage_fails_before_training(runs: dict[str, Path], token_dir: Path) -> None:
     run = runs["ddp_ref"].parent / "no_bucket"
     with pytest.raises(PreflightError, match=r"checkpoint storage s3://no-such-bucket/x/no_bucket is not usable"):

@@ -10,6 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -45,10 +46,15 @@ class Manifest:
 
 def sha256_file(path: str | Path) -> str:
     """The one file hash of the project: data manifests, checkpoints, exports and the pipeline's outputs."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
+        return sha256_stream(fh)
+
+
+def sha256_stream(stream: BinaryIO) -> str:
+    """sha256 of what ``stream`` reads to its end, 1 MiB at a time (a local file, or a pyarrow stream)."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: stream.read(1 << 20), b""):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
