@@ -93,10 +93,11 @@ def check_checkpoints(config: TrainConfig, run_dir: Path) -> None:
     only on request: Ray Train would hand its latest checkpoint to the workers of any new run there (it
     restores its checkpoint manager from storage), so without --resume a fresh run would silently continue
     the old one."""
+    from checkpoints.location import join
     from checkpoints.store import probe_storage, storage_path, stored_checkpoints
 
     storage = storage_path(config.checkpoint.storage, run_dir)
-    where = f"{storage.rstrip('/')}/{run_dir.name}"
+    where = join(storage, run_dir.name)
     try:
         existing = stored_checkpoints(storage, run_dir.name)
         probe_storage(storage, run_dir.name)

@@ -109,6 +109,7 @@ INSTRUMENTS = {
 }  # fmt: skip
 MEMORY_KEYS = ("peak_mem_bytes", "state_bytes", "peak_rss_bytes")
 
+
 def run_id_of(config: TrainConfig) -> str:
     """The run's label in Prometheus: ``metrics.run_id``, or the output dir's name."""
     return config.metrics.run_id or Path(config.output_dir).name
