@@ -17,8 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
 from checkpoints.location import filesystem, is_file, is_uri, join
-from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_names, verify
+from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_names, read_manifest, verify
 
 
 def _targets(path: str) -> list[str]:
@@ -113,14 +116,22 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(infos if len(infos) > 1 else infos[0], indent=2))
         return 0
     failed = 0
-    for target in targets:
-        try:
-            manifest = verify(target)
-        except CorruptCheckpoint as exc:
-            failed += 1
-            print(f"FAIL {target}: {exc.reason} (file: {exc.file})", file=sys.stderr)
-        else:
-            print(f"OK   {target}: step {manifest['step']}, {len(manifest['files'])} files verified")
+    # Hashing a large checkpoint (terabytes with optimizer state, over the network for a URI) takes a while: a
+    # bar per checkpoint, on stderr, drawn only on a terminal.
+    stderr = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as progress:
+        for target in targets:
+            try:
+                files = read_manifest(target).get("files") or {}
+                task = progress.add_task(target.rsplit("/", 1)[-1], total=sum(f["bytes"] for f in files.values()))
+                manifest = verify(target, on_bytes=lambda n, task=task: progress.advance(task, n))
+            except CorruptCheckpoint as exc:
+                failed += 1
+                progress.console.print(f"FAIL {target}: {exc.reason} (file: {exc.file})", markup=False, highlight=False)
+            else:
+                print(f"OK   {target}: step {manifest['step']}, {len(manifest['files'])} files verified")
     return 1 if failed else 0
 
 

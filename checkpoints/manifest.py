@@ -10,6 +10,7 @@ written, a rank's shard never uploaded, the manifest missing) is never loaded.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(directory: str | Path) -> dict[str, Any]:
+def verify(directory: str | Path, on_bytes: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Check every file against the manifest; returns the manifest or raises ``CorruptCheckpoint``. ``directory``
-    may be a URI (``s3://…``): the files are then hashed as they stream in, nothing is written to disk."""
+    may be a URI (``s3://…``): the files are then hashed as they stream in, nothing is written to disk.
+    ``on_bytes`` is told the size of every chunk hashed (a progress bar)."""
     fs, root = filesystem(directory)
     manifest = read_manifest(directory)
     files = manifest.get("files") or {}
@@ -87,7 +89,7 @@ def verify(directory: str | Path) -> dict[str, Any]:
         if info.size != expected["bytes"]:
             raise CorruptCheckpoint(directory, f"size {info.size} != {expected['bytes']} in the manifest", name)
         with fs.open_input_stream(join(root, name)) as fh:
-            if sha256_stream(fh) != expected["sha256"]:
+            if sha256_stream(fh, on_bytes) != expected["sha256"]:
                 raise CorruptCheckpoint(directory, "sha256 does not match the manifest", name)
     return manifest
 

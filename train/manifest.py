@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -50,11 +51,14 @@ def sha256_file(path: str | Path) -> str:
         return sha256_stream(fh)
 
 
-def sha256_stream(stream: BinaryIO) -> str:
-    """sha256 of what ``stream`` reads to its end, 1 MiB at a time (a local file, or a pyarrow stream)."""
+def sha256_stream(stream: BinaryIO, on_bytes: Callable[[int], None] | None = None) -> str:
+    """sha256 of what ``stream`` reads to its end, 1 MiB at a time (a local file, or a pyarrow stream);
+    ``on_bytes`` is told each chunk's size (a progress bar)."""
     digest = hashlib.sha256()
     for chunk in iter(lambda: stream.read(1 << 20), b""):
         digest.update(chunk)
+        if on_bytes is not None:
+            on_bytes(len(chunk))
     return digest.hexdigest()
 
 
