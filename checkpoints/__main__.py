@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         targets = _targets(args.path)
-    except OSError as exc:  # unreachable storage, missing bucket or credentials
+    except (OSError, ValueError) as exc:  # unreachable storage, missing bucket or credentials; unknown URI scheme
         print(f"error: cannot read {args.path}: {exc}", file=sys.stderr)
         return 2
     if not targets:
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 manifest = verify(target, on_bytes=lambda n, task=task: progress.advance(task, n))
             except CorruptCheckpoint as exc:
                 failed += 1
-                progress.console.print(f"FAIL {target}: {exc.reason} (file: {exc.file})", markup=False, highlight=False)
+                # Plain print: rich would wrap the line at its console width; the live display passes it through.
+                print(f"FAIL {target}: {exc.reason} (file: {exc.file})", file=sys.stderr)
             else:
                 print(f"OK   {target}: step {manifest['step']}, {len(manifest['files'])} files verified")
     return 1 if failed else 0

@@ -140,6 +140,8 @@ def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path:
     assert shown.returncode == 0, shown.stderr
     for expected in ("step 8", "world size 1", "model.wte.weight", "rng.rank0", "__0_0.distcp", "sha256", "parent"):
         assert expected in shown.stdout, expected
+    unknown = subprocess.run([*cli, "verify", "foo://bucket/run"], capture_output=True, text=True, cwd=REPO)
+    assert unknown.returncode == 2 and "error: cannot read foo://bucket/run" in unknown.stderr
     helped = subprocess.run([*cli, "--help"], capture_output=True, text=True, cwd=REPO)
     assert helped.returncode == 0 and "verify" in helped.stdout and "inspect" in helped.stdout
 
