@@ -105,7 +105,11 @@ def checkpoint_step(name: str) -> int | None:
 def checkpoint_names(location: str | Path) -> list[str]:
     """Names of the checkpoint dirs directly under ``location`` (a local path or a URI), newest first (by step,
     then by rollback suffix); empty when it does not exist."""
-    fs, root = filesystem(location)
+    return checkpoint_names_on(*filesystem(location))
+
+
+def checkpoint_names_on(fs: pyarrow.fs.FileSystem, root: str) -> list[str]:
+    """:func:`checkpoint_names` for a directory of a filesystem already at hand (Ray Train's storage)."""
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
     found = [(checkpoint_step(i.base_name), i.base_name) for i in infos if i.type == pyarrow.fs.FileType.Directory]
     return [name for step, name in sorted((f for f in found if f[0] is not None), reverse=True)]

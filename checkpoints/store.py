@@ -21,10 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import pyarrow.fs
-
 from checkpoints.location import filesystem, is_file, join
-from checkpoints.manifest import MANIFEST_FILE, checkpoint_names, checkpoint_step, list_checkpoints
+from checkpoints.manifest import MANIFEST_FILE, checkpoint_names_on, checkpoint_step, list_checkpoints
 
 
 class Candidate(Protocol):
@@ -108,19 +106,15 @@ class RayStore:
         latest = self._train.get_checkpoint()
         storage = self._train.get_context().get_storage()
         fs, root = storage.storage_filesystem, storage.experiment_fs_path
-        infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
-        is_dir = pyarrow.fs.FileType.Directory
-        dirs = [i for i in infos if i.type == is_dir and checkpoint_step(i.base_name) is not None]
-        listed = sorted(((checkpoint_step(i.base_name), i.base_name, i.path) for i in dirs), reverse=True)
         out: list[Candidate] = []
         bound = None
         if latest is not None:
             out.append(RayCandidate(latest))
             bound = (checkpoint_step(Path(latest.path).name), Path(latest.path).name)
-        for step, name, path in listed:
-            if bound is not None and (step, name) >= bound:
+        for name in checkpoint_names_on(fs, root):
+            if bound is not None and (checkpoint_step(name), name) >= bound:
                 continue
-            out.append(RayCandidate(self._train.Checkpoint(path, filesystem=fs)))
+            out.append(RayCandidate(self._train.Checkpoint(join(root, name), filesystem=fs)))
         return out
 
 
@@ -139,8 +133,7 @@ def stored_checkpoints(storage: str, name: str) -> list[str]:
     """What a new run named ``name`` would inherit from ``storage``: its checkpoint dirs (newest first) and
     Ray Train's checkpoint snapshot, by name. Empty when nothing is there."""
     fs, root = filesystem(join(storage, name))
-    snapshot = is_file(fs, join(root, RAY_SNAPSHOT))
-    return checkpoint_names(join(storage, name)) + ([RAY_SNAPSHOT] if snapshot else [])
+    return checkpoint_names_on(fs, root) + ([RAY_SNAPSHOT] if is_file(fs, join(root, RAY_SNAPSHOT)) else [])
 
 
 def probe_storage(storage: str, name: str) -> None:
