@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 DEMO   ?= runs/demo
 PORT   ?= 8000
 
-.PHONY: env demo test lint clean
+.PHONY: env demo test test-fast lint clean
 
 env: $(STAMP)
 
@@ -35,6 +35,11 @@ test: $(STAMP)
 	bash dashboards/install_prometheus.sh
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -x -m "not ray"
 
 # Lint only: the code is wrapped by hand at 120 columns (rule tables keep one row per line), so ruff's
 # formatter is not part of the build.

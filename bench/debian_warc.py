@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-from train.manifest import sha256_file
+from ground.hashing import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / "bench" / ".cache" / "debs"

@@ -20,8 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from checkpoints.location import filesystem, is_file, is_uri, join
 from checkpoints.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_names, read_manifest, verify
+from ground.storage import filesystem, is_file, is_remote, join
 
 
 def _targets(path: str) -> list[str]:
@@ -35,7 +35,7 @@ def _targets(path: str) -> list[str]:
 def _readable_here(target: str) -> Iterator[Path]:
     """``target`` as a local dir holding what ``describe`` reads: itself, or for a URI a temporary copy of its
     manifest and DCP's ``.metadata`` (the shards, nearly all of the bytes, stay where they are)."""
-    if not is_uri(target):
+    if not is_remote(target):
         yield Path(target)
         return
     fs, root = filesystem(target)

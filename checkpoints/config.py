@@ -34,7 +34,10 @@ class CheckpointConfig(BaseModel):
     # Continue from the latest good checkpoint in the run dir (``python -m train ... --resume``).
     # After a worker failure Ray Train restarts the workers, which resume whatever this says.
     resume: bool = False
-    max_failures: int = Field(0, ge=-1)  # Ray Train FailureConfig(max_failures): restarts allowed (-1: unlimited)
+    # Ray Train FailureConfig(max_failures): how many times a failed worker group (a crashed or hung worker, a node
+    # lost) is restarted from the last checkpoint over the whole run; -1: without limit, 0: never. A crash that
+    # recurs deterministically uses it up within minutes; a long run on spot capacity may lose more nodes than 3.
+    max_failures: int = Field(3, ge=-1)
     # Rollback: after this many consecutive bad steps (guard rails), restore the last good checkpoint
     # and skip the data from its position up to and including the bad step (0: never roll back).
     rollback_after_bad: int = Field(0, ge=0)

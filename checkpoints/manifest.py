@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow.fs
 
-from checkpoints.location import filesystem, is_file, join
-from train.manifest import sha256_file, sha256_stream  # one file-hash helper for the data contract and checkpoints
+from ground.hashing import sha256_file, sha256_stream
+from ground.storage import filesystem, is_file, join
 
 MANIFEST_FILE = "checkpoint.json"
 FORMAT_VERSION = 1

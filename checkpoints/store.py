@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from checkpoints.location import filesystem, is_file, join
 from checkpoints.manifest import MANIFEST_FILE, checkpoint_names_on, checkpoint_step, list_checkpoints
+from ground.storage import Location, filesystem, is_file, join
 
 
 class Candidate(Protocol):
@@ -124,9 +124,9 @@ PROBE_FILE = ".raylm-storage-probe"
 
 
 def storage_path(storage: str, run_dir: str | Path) -> str:
-    """Ray Train's ``storage_path`` for a run: ``storage`` if set, else the run dir's parent (checkpoints then
-    land in the run dir itself, ``storage_path/<run dir name>``)."""
-    return storage or str(Path(run_dir).parent)
+    """Ray Train's ``storage_path`` for a run: ``storage`` if set, else the run dir's parent, a local path or a
+    URI (checkpoints then land in the run dir itself, ``storage_path/<run dir name>``, also in a bucket)."""
+    return storage or Location(run_dir).parent.uri
 
 
 def stored_checkpoints(storage: str, name: str) -> list[str]:

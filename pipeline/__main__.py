@@ -36,12 +36,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--base-url", help="prefix for the relative paths of --input-list (https://… or s3://…)")
     run.add_argument("--output", required=True,
-                     help="output directory (must not exist or be empty); on a cluster, a path every node sees")
+                     help="output directory: a local path, or s3://bucket/prefix or gs://bucket/prefix (workers write "
+                     "straight to it; on a cluster without a shared filesystem, use object storage). Must not exist "
+                     "or be empty; complete once manifest.json, written last, is there")
     run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config value, e.g. --set dedup.minhash.verify=signature (repeatable)")
     run.add_argument("--overwrite", action="store_true",
-                     help="replace a non-empty output directory when done, and discard an unfinished run's work")
+                     help="remove what the output holds first (its manifest.json before anything else), finished "
+                     "output or an unfinished run's work, then run")
     run.add_argument("--resume", action="store_true",
                      help="continue the unfinished run of this output (same config and inputs), redoing only "
                      "unfinished work")
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     _setup_logging(console)
+    from ground.storage import StorageError
     from pipeline.errors import PipelineInputError, PipelineOutputError
 
     try:
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return _compare(args)
         return _run(args, console)
-    except (PipelineInputError, PipelineOutputError, FileNotFoundError) as err:
+    except (PipelineInputError, PipelineOutputError, StorageError, FileNotFoundError) as err:
         console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
         return 2
 

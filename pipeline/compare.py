@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
+from ground.cache import fetch_verified
+from ground.storage import Location, StorageError
 from pipeline.errors import PipelineInputError
 from pipeline.report import KeptTokenStats
 
@@ -38,23 +41,26 @@ CHUNK_TOKENS = 1 << 24
 class Output:
     """A pipeline output directory, checked to be one."""
 
-    root: Path
+    root: Location  # a local directory or an s3:// / gs:// prefix
     manifest: dict
     report: dict
 
     @classmethod
     def open(cls, path: str | Path, role: str) -> Output:
-        root = Path(path)
-        if not root.is_dir():
-            raise PipelineInputError(f"{root}: {role} is not a directory")
+        try:
+            root = Location(path)
+            if not root.is_dir():
+                raise PipelineInputError(f"{root}: {role} is not a directory")
+        except StorageError as err:
+            raise PipelineInputError(f"{path}: {role}: {err}") from err
         docs = {}
         for name in ("manifest.json", "report.json"):
             file = root / name
             if not file.is_file():
                 raise PipelineInputError(f"{root}: {role} is not a pipeline output (no {name})")
             try:
-                docs[name] = json.loads(file.read_text())
-            except (OSError, json.JSONDecodeError) as err:
+                docs[name] = json.loads(file.read_bytes())
+            except (OSError, StorageError, json.JSONDecodeError) as err:
                 raise PipelineInputError(f"{file}: cannot read {role}'s {name} ({err})") from err
         manifest, report = docs["manifest.json"], docs["report.json"]
         for key in ("tokenizer", "dtype", "shards"):
@@ -75,7 +81,7 @@ class Output:
         counts = np.zeros(self.vocab_size, dtype=np.int64)
         dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         for shard in self.manifest["shards"]:
-            tokens = np.memmap(self.root / shard["path"], dtype=dtype, mode="r")
+            tokens = np.memmap(self.shard_file(shard), dtype=dtype, mode="r")
             for start in range(0, len(tokens), CHUNK_TOKENS):
                 chunk = np.asarray(tokens[start:start + CHUNK_TOKENS])
                 if len(chunk) and int(chunk.max()) >= self.vocab_size:
@@ -84,16 +90,21 @@ class Output:
                 counts += np.bincount(chunk, minlength=self.vocab_size)
         return counts
 
-    def _documents(self, shard: dict) -> Path:
+    def shard_file(self, shard: dict) -> Path:
+        """The shard's tokens as a local file: itself, or for an output in object storage this machine's cached copy,
+        verified against the manifest's sha256."""
+        return fetch_verified(self.root / shard["path"], shard.get("sha256", ""))
+
+    def documents(self, shard: dict, columns: list[str]) -> pa.Table:
         path = self.root / "documents" / (Path(shard["path"]).stem + ".parquet")
         if not path.is_file():
             raise PipelineInputError(f"{path}: documents of shard {shard['path']} missing")
-        return path
+        return pq.read_table(path.path, filesystem=path.fs, columns=columns)
 
     def language_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for shard in self.manifest["shards"]:
-            for lang in pq.read_table(self._documents(shard), columns=["language"])["language"].to_pylist():
+            for lang in self.documents(shard, ["language"])["language"].to_pylist():
                 key = lang or "unknown"
                 counts[key] = counts.get(key, 0) + 1
         return counts
@@ -110,10 +121,10 @@ def measure_kept_stats(output: Output) -> KeptTokenStats:
     eot = output.manifest["tokenizer"]["eot_id"]
     dtype = np.dtype(output.manifest["dtype"]).newbyteorder("<")
     for shard in output.manifest["shards"]:
-        tokens = np.memmap(output.root / shard["path"], dtype=dtype, mode="r")
+        tokens = np.memmap(output.shard_file(shard), dtype=dtype, mode="r")
         ends = np.flatnonzero(np.asarray(tokens) == eot)
         lengths = np.diff(np.concatenate([[-1], ends])) - 1  # tokens between EOTs, the EOT itself excluded
-        table = pq.read_table(output._documents(shard), columns=["language", "text"])
+        table = output.documents(shard, ["language", "text"])
         if table.num_rows != len(lengths):
             raise PipelineInputError(f"{output.root / shard['path']}: {len(lengths)} documents in the tokens, "
                                      f"{table.num_rows} in its documents parquet")

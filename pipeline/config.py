@@ -27,6 +27,9 @@ class ExecutionConfig(BaseModel):
     batch_size: int = Field(1024, ge=1)  # documents per batch sent to the dedup index shards
     records_per_block: int = Field(1000, ge=1)  # records filtered and written together while streaming a file
     rejected_rows_per_file: int = Field(100_000, ge=1)
+    # Times the dedup pass is rebuilt from its persisted keys when a node's loss takes index shards with it (the
+    # other passes' tasks are retried one by one, by Ray).
+    node_loss_retries: int = Field(3, ge=0)
 
 
 class InputConfig(BaseModel):

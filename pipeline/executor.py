@@ -11,13 +11,15 @@ from small per-file summaries. Workers read the inputs and write every data file
              tokens, ``rejected/`` parts and token pieces.
 4. pack      (Ray tasks): consecutive pieces joined into ``tokens/{split}-NNNNN.bin`` + ``documents/``.
 
-Each unit of work leaves a marker in the staging directory, so ``--resume`` redoes only what is missing, and
-the finished directory is renamed into place (``pipeline.staging``). The driver never holds documents, edges
-or tokens: its memory is the input list and one summary per file.
+Every file is written straight to the output (a local directory or an ``s3://``/``gs://`` prefix, through
+``ground.storage``); each unit of work leaves a marker under ``OUTPUT/.staging``, so ``--resume`` redoes only what
+is missing, and the manifest, written last, publishes the output (``pipeline.staging``). The driver never holds
+documents, edges or tokens: its memory is the input list and one summary per file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -28,20 +30,20 @@ import ray
 from rich.console import Console
 from tokenizers import Tokenizer
 
+from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineInputError, PipelineOutputError
+from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
 from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
-from pipeline.output import pack_shard, plan_shards, write_empty_rejected, write_json
+from pipeline.output import pack_shard, plan_shards, write_empty_rejected
 from pipeline.progress import PassProgress
 from pipeline.report import KeptTokenStats, StageAccounting, print_summary, render_markdown, stage_rows
 from pipeline.sources import InputFile, list_inputs
-from pipeline.staging import RunStaging, write_json_atomic
+from pipeline.staging import RunPaths, RunStaging
 from pipeline.steps.decontaminate import build_index
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.quality_classifier import describe_model
-from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype
+from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype, tokenizer_from_json
 from pipeline.steps.url_filter import load_blocklist
-from train.manifest import sha256_file
 
 log = logging.getLogger("pipeline")
 
@@ -55,6 +57,23 @@ class OnRay:
 
     def get(self, values: list) -> list:
         return ray.get(values)
+
+
+def lost_to_a_node(err: BaseException) -> str | None:
+    """What was lost, when ``err`` comes from a lost node (a dead actor, a lost object), however deeply Ray and
+    Ray Data wrapped it; None for any other error."""
+    from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError
+
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, IndexShardLost | RayActorError | ActorUnavailableError):
+            return "an index shard's actor died (its node was lost?)"
+        if isinstance(current, ObjectLostError):
+            return "an object of the index was lost with its node"
+        current = getattr(current, "cause", None) or current.__cause__ or current.__context__
+    return None
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -77,7 +96,10 @@ class PipelineRun:
     ) -> None:
         self.config = config
         self.files: list[InputFile] = list_inputs(inputs, input_list, base_url, config.input.retry)
-        self.output = Path(output)
+        try:
+            self.output = Location(output)
+        except StorageError as err:
+            raise PipelineOutputError(str(err)) from err
         self.console = console or Console(stderr=True)
         self.pass_seconds: dict[str, float] = {}
         # Built once per run, here in the driver before Ray starts (a missing file fails fast, naming it), and
@@ -113,7 +135,6 @@ class PipelineRun:
             if cause is not err:
                 raise cause from err
             raise
-        staging.publish()
         print_summary(report, self.console)
         self._say(f"output: {self.output}")
         return report
@@ -124,8 +145,9 @@ class PipelineRun:
                    count_bytes: bool) -> list[dict]:
         """Run ``fn`` once per input file not yet done (Ray Data streams them with backpressure). ``fn`` returns
         ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``."""
+        finished = staging.finished() if staging is not None else set()
         summaries = {it["index"]: staging.read_marker(f"{name}-{it['index']:05d}") for it in items
-                     if staging is not None and staging.is_done(f"{name}-{it['index']:05d}")}
+                     if f"{name}-{it['index']:05d}" in finished}
         todo = [it for it in items if it["index"] not in summaries]
         total_bytes = sum(it["size"] for it in items) if count_bytes else 0
         done_bytes = sum(s.get("bytes", 0) for s in summaries.values()) if count_bytes else 0
@@ -136,9 +158,7 @@ class PipelineRun:
                 for row in ds.iter_rows():
                     summary = json.loads(row["summary"])
                     if "error" in summary:
-                        error = PipelineOutputError if summary["error_type"] == "PipelineOutputError" else \
-                            PipelineInputError
-                        raise error(summary["error"])
+                        raise TASK_ERRORS[summary["error_type"]](summary["error"])
                     summaries[summary["index"]] = summary
                     bar.advance(1, summary.get("bytes", 0) if count_bytes else 0)
         self.pass_seconds[name] = time.perf_counter() - t0
@@ -149,53 +169,71 @@ class PipelineRun:
             return staging.read_marker("dedup")
         cfg = self.config.dedup
         t0 = time.perf_counter()
-        alive = sum(s["alive"] for s in filtered)
+        alive = [it for it, s in zip(items, filtered, strict=True) if s["alive"]]
         stats: dict = {"shards": [], "decisions": 0}
-        staging.paths.decisions_dir.mkdir(parents=True, exist_ok=True)
         if alive and (cfg.exact.enabled or cfg.minhash.enabled):
-            index = ray.remote(BucketIndex).options(num_cpus=0)
-            shards = [index.remote(i, cfg) for i in range(cfg.num_index_actors)]
-            try:
-                # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
-                sent = self._map_files(None, "dedup", index_file, [it for it, s in zip(items, filtered, strict=True)
-                                                                  if s["alive"]],
-                                       {"paths": staging.paths, "shards": shards, "config": self.config}, False)
-                resolve_clusters(shards, OnRay())
-                written = ray.get([
-                    s.write_decisions.remote(str(staging.paths.decisions_dir / f"decisions-{i:03d}.parquet"))
-                    for i, s in enumerate(shards)
-                ])
-                stats = {"shards": ray.get([s.get_stats.remote() for s in shards]), "decisions": sum(written),
-                         "send_seconds": sum(s["seconds"] for s in sent)}
-            finally:
-                for s in shards:
-                    ray.kill(s)
+            retries = self.config.execution.node_loss_retries
+            for attempt in range(retries + 1):
+                try:
+                    stats = self._dedup_pass(staging, alive)
+                    break
+                except Exception as err:
+                    lost = lost_to_a_node(err)
+                    if lost is None or attempt == retries:
+                        raise
+                    # The index lives in the shards' memory; its inputs (work/filtered) are persisted, so the
+                    # whole index is rebuilt from them. The decisions are a function of the keys alone, not of
+                    # the order they arrive in, so the rebuilt index decides as the lost one would have.
+                    log.warning("dedup: %s; rebuilding the index from the persisted keys (retry %d of %d)", lost,
+                                attempt + 1, retries)
         self.pass_seconds["dedup"] = time.perf_counter() - t0
-        write_json_atomic(staging.paths.done("dedup"), stats)
+        staging.paths.done("dedup").write_json(stats)
         return stats
 
+    def _dedup_pass(self, staging: RunStaging, alive: list[dict]) -> dict:
+        # Spread over the nodes: one node's loss takes some shards, not the whole index, and no node holds it all.
+        # A sliver of a CPU keeps the shards off a head with no CPUs (ray_cluster.yaml): the index's memory belongs
+        # on the workers, not on the node that holds the control plane and the job drivers.
+        index = ray.remote(BucketIndex).options(num_cpus=0.01, scheduling_strategy="SPREAD")
+        shards = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
+        try:
+            # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
+            sent = self._map_files(None, "dedup", index_file, alive,
+                                   {"paths": staging.paths, "shards": shards, "config": self.config}, False)
+            resolve_clusters(shards, OnRay())
+            written = ray.get([
+                s.write_decisions.remote(staging.paths.decisions_dir / f"decisions-{i:03d}.parquet")
+                for i, s in enumerate(shards)
+            ])
+            return {"shards": ray.get([s.get_stats.remote() for s in shards]), "decisions": sum(written),
+                    "send_seconds": sum(s["seconds"] for s in sent)}
+        finally:
+            for s in shards:
+                ray.kill(s)
+
     def _tokenizer(self, staging: RunStaging, items: list[dict]) -> tuple[Tokenizer, float]:
-        path = staging.path / "tokenizer.json"
+        path = staging.paths.root / "tokenizer.json"
         t0 = time.perf_counter()
         if not staging.is_done("tokenizer"):
             cfg = self.config.tokenize
             if cfg.tokenizer_path:
-                load_tokenizer(cfg.tokenizer_path).save(str(path))
+                path.write_text(load_tokenizer(cfg.tokenizer_path).to_str(pretty=True))
             else:
                 ray.get(ray.remote(train_tokenizer_on_kept).options(name="train_tokenizer").remote(
                     staging.paths, items, self.config))
-            write_json_atomic(staging.paths.done("tokenizer"), {"seconds": time.perf_counter() - t0})
+            staging.paths.done("tokenizer").write_json({"seconds": time.perf_counter() - t0})
         self.pass_seconds["tokenizer"] = time.perf_counter() - t0
-        return load_tokenizer(path), staging.read_marker("tokenizer")["seconds"]
+        return tokenizer_from_json(path.read_text()), staging.read_marker("tokenizer")["seconds"]
 
     def _pack(self, staging: RunStaging, tokenized: list[dict]) -> list[dict]:
         t0 = time.perf_counter()
         plan = plan_shards([p for s in tokenized for p in s["pieces"]], self.config.tokenize.shard_tokens)
-        entries = {name: staging.read_marker(f"pack-{name}") for name, _ in plan if staging.is_done(f"pack-{name}")}
+        finished = staging.finished()
+        entries = {name: staging.read_marker(f"pack-{name}") for name, _ in plan if f"pack-{name}" in finished}
         todo = [(name, pieces) for name, pieces in plan if name not in entries]
         task = ray.remote(_pack_and_mark)
         with PassProgress(self.console, "pack", len(plan), 0, len(entries), unit="shards") as bar:
-            pending = [task.options(name=f"pack {name}").remote(staging.path, name, pieces) for name, pieces in todo]
+            pending = [task.options(name=f"pack {name}").remote(staging.paths, name, pieces) for name, pieces in todo]
             while pending:
                 ready, pending = ray.wait(pending)
                 for entry in ray.get(ready):
@@ -225,15 +263,15 @@ class PipelineRun:
         tokenized = self._map_files(staging, "tokenize", tokenize_file, items,
                                     {"paths": paths, "config": cfg, "tokenizer_json": tokenizer.to_str()}, False)
         shards = self._pack(staging, tokenized)
-        if not any((staging.path / "rejected").glob("*.parquet")):
-            write_empty_rejected(staging.path / "rejected")
+        if paths.root.join("rejected").is_empty():
+            write_empty_rejected(paths.root / "rejected")
         return self._write_manifest_and_report(staging, filtered, dedup, tokenized, shards, tokenizer,
                                                tokenizer_seconds, started)
 
     def _write_manifest_and_report(self, staging: RunStaging, filtered: list[dict], dedup: dict,
                                    tokenized: list[dict], shards: list[dict], tokenizer: Tokenizer,
                                    tokenizer_seconds: float, started: float) -> dict:
-        root = staging.path
+        root = staging.paths.root
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
         acc = StageAccounting()
@@ -256,7 +294,8 @@ class PipelineRun:
                    for s in filtered]
         input_bytes = sum(s["bytes"] for s in sources)
         manifest = {
-            "tokenizer": {"path": "tokenizer.json", "sha256": sha256_file(root / "tokenizer.json"),
+            "tokenizer": {"path": "tokenizer.json",
+                          "sha256": hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
                           "vocab_size": vocab_size, "eot_id": tokenizer.token_to_id(EOT)},
             "dtype": dtype.name,
             "shards": shards,
@@ -298,18 +337,18 @@ class PipelineRun:
                 "index_shards": len(shard_stats),
             },
         }
-        write_json(root / "manifest.json", manifest)
-        write_json(root / "report.json", report)
+        (root / "report.json").write_json(report)
         (root / "report.md").write_text(render_markdown(report))
+        removed = remove_partial_writes(root)
+        if removed:
+            log.info("removed %d partial files left by killed writers", removed)
+        staging.publish(manifest)  # the manifest last: from here on the output is complete
         return report
 
 
-def _pack_and_mark(root: Path, name: str, pieces: list[dict]) -> dict:
-    from pipeline.staging import RunPaths
-
-    paths = RunPaths(root)
-    entry = pack_shard(root, paths.pieces_dir, pieces, name)
-    write_json_atomic(paths.done(f"pack-{name}"), entry)
+def _pack_and_mark(paths: RunPaths, name: str, pieces: list[dict]) -> dict:
+    entry = pack_shard(paths.root, paths.pieces_dir, pieces, name)
+    paths.done(f"pack-{name}").write_json(entry)
     return {"name": name, "entry": entry}
 
 

@@ -26,12 +26,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import PipelineInputError, PipelineOutputError
+from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError
 from pipeline.output import PieceWriter, RejectedWriter
 from pipeline.report import KeptTokenStats, count_annotations
 from pipeline.schema import FILTERED_SCHEMA, STAGES, to_table
 from pipeline.sources import ReadStats, open_input
-from pipeline.staging import RunPaths, temp_name, write_json_atomic
+from pipeline.staging import RunPaths
 from pipeline.steps.base import Doc, Step, is_dropped
 from pipeline.steps.decontaminate import ContaminationIndex, Decontaminate
 from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch, shard_part
@@ -79,7 +79,7 @@ def reports_input_errors(fn: Callable[..., dict]) -> Callable[..., dict]:
     def run(item: dict, **kwargs: Any) -> dict:
         try:
             return fn(item, **kwargs)
-        except (PipelineInputError, PipelineOutputError) as err:
+        except tuple(TASK_ERRORS.values()) as err:
             error = {"index": item["index"], "error": str(err), "error_type": type(err).__name__}
             return {"summary": json.dumps(error)}
 
@@ -153,11 +153,8 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: 
     records = 0
     steps = filter_steps(config, _resolved(blocklist), _resolved(contamination), classifier_sha256)
     keys = DedupKeys(config.dedup)
-    out = paths.filtered(index)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(out)
     stats = ReadStats()
-    with pq.ParquetWriter(tmp, FILTERED_SCHEMA) as writer:
+    with paths.filtered(index).open_output() as out, pq.ParquetWriter(out, FILTERED_SCHEMA) as writer:
         for block in _blocks(_records(uri, config, stats, seconds), config.execution.records_per_block):
             for step in steps:
                 started = time.perf_counter()
@@ -170,7 +167,6 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: 
             drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
             counts.update(count_annotations(block))
             writer.write_table(to_table(block, FILTERED_SCHEMA))
-    tmp.replace(out)
     summary = {
         "index": index,
         "uri": uri,
@@ -183,7 +179,7 @@ def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: 
         "counts": [[stage, key, n] for (stage, key), n in sorted(counts.items())],
         "seconds": dict(seconds),
     }
-    write_json_atomic(paths.done(f"filter-{index:05d}"), summary)
+    paths.done(f"filter-{index:05d}").write_json(summary)
     return {"summary": json.dumps(summary)}
 
 
@@ -195,9 +191,9 @@ def index_file(item: dict, paths: RunPaths, shards: list, config: PipelineConfig
     """Pass 2 for one input file: send its persisted keys to the index shards (Ray actors), batch by batch."""
     started = time.perf_counter()
     docs = 0
-    source = pq.ParquetFile(paths.filtered(item["index"]))
-    for batch in source.iter_batches(batch_size=config.execution.batch_size, columns=KEY_COLUMNS):
-        docs += index_keys(pa.Table.from_batches([batch]), shards, config)
+    with paths.filtered(item["index"]).open_input() as source:
+        for batch in pq.ParquetFile(source).iter_batches(batch_size=config.execution.batch_size, columns=KEY_COLUMNS):
+            docs += index_keys(pa.Table.from_batches([batch]), shards, config)
     return {"summary": json.dumps({"index": item["index"], "docs": docs,
                                    "seconds": time.perf_counter() - started})}
 
@@ -217,16 +213,20 @@ def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
     doc_keys = [doc_key(r) for r in alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()]
     batch = keyed_batch(dedup, doc_keys, alive["exact_key"].to_pylist(), signatures, shingle_sets)
     parts = [shard_part(batch, i, len(shards)) for i in range(len(shards))]
-    ray.get([shard.add.remote(**part) for shard, part in zip(shards, parts, strict=True)])
+    try:
+        ray.get([shard.add.remote(**part) for shard, part in zip(shards, parts, strict=True)])
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+        raise IndexShardLost(f"a dedup index shard died: {str(err).splitlines()[0]}") from err
     return alive.num_rows
 
 
 def load_decisions(paths: RunPaths, source: str) -> dict[str, tuple[str, str]]:
     """The dedup decisions for the documents of one input file (each index shard wrote its own file)."""
-    files = sorted(paths.decisions_dir.glob("decisions-*.parquet"))
+    directory = paths.decisions_dir
     decisions: dict[str, tuple[str, str]] = {}
-    for f in files:
-        table = pq.read_table(f, filters=[("source", "=", source)])
+    for name in directory.files(recursive=False):
+        f = directory / name
+        table = pq.read_table(f.path, filesystem=f.fs, filters=[("source", "=", source)])
         for key, stage, kept in zip(table["doc_key"].to_pylist(), table["stage"].to_pylist(),
                                     table["duplicate_of"].to_pylist(), strict=True):
             decisions[key] = (stage, kept)
@@ -234,7 +234,8 @@ def load_decisions(paths: RunPaths, source: str) -> dict[str, tuple[str, str]]:
 
 
 def _filtered_batches(paths: RunPaths, index: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
-    yield from pq.ParquetFile(paths.filtered(index)).iter_batches(batch_size=1024, columns=columns)
+    with paths.filtered(index).open_input() as source:
+        yield from pq.ParquetFile(source).iter_batches(batch_size=1024, columns=columns)
 
 
 def kept_texts(paths: RunPaths, items: list[dict], max_chars: int) -> Iterator[str]:
@@ -259,9 +260,7 @@ def train_tokenizer_on_kept(paths: RunPaths, items: list[dict], config: Pipeline
 
     started = time.perf_counter()
     tokenizer = train_tokenizer(kept_texts(paths, items, config.tokenize.train_max_chars), config.tokenize)
-    tmp = temp_name(paths.root / "tokenizer.json")
-    tokenizer.save(str(tmp))
-    tmp.replace(paths.root / "tokenizer.json")
+    (paths.root / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     return {"seconds": time.perf_counter() - started}
 
 
@@ -311,5 +310,5 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
         "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
         "seconds": dict(seconds),
     }
-    write_json_atomic(paths.done(f"tokenize-{index:05d}"), summary)
+    paths.done(f"tokenize-{index:05d}").write_json(summary)
     return {"summary": json.dumps(summary)}

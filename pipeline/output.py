@@ -10,18 +10,15 @@ files are.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ground.storage import Location
 from pipeline.schema import DOC_SCHEMA, KEPT_COLUMNS, REJECTED_COLUMNS
-from pipeline.staging import temp_name
 
 KEPT_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in KEPT_COLUMNS])
 REJECTED_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in REJECTED_COLUMNS])
@@ -29,15 +26,10 @@ DOCS_PER_ROW_GROUP = 4096
 COPY_CHUNK = 1 << 22
 
 
-def write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
 @dataclass
 class _OpenPiece:
     name: str
-    bin_tmp: Path
-    docs_tmp: Path
+    files: ExitStack  # the two outputs: whole at their final names when it closes without an error
     bin_file: object
     sha: object
     docs_writer: pq.ParquetWriter
@@ -55,7 +47,7 @@ class _OpenPiece:
 class PieceWriter:
     """Pieces ``{prefix}-KKK.bin`` + ``.parquet`` of one split of one input file, in ``directory``."""
 
-    directory: Path
+    directory: Location
     prefix: str
     split: str
     dtype: np.dtype
@@ -65,10 +57,11 @@ class PieceWriter:
 
     def _open(self) -> _OpenPiece:
         name = f"{self.prefix}-{len(self.pieces):03d}"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        bin_tmp, docs_tmp = temp_name(self.directory / f"{name}.bin"), temp_name(self.directory / f"{name}.parquet")
-        writer = pq.ParquetWriter(docs_tmp, KEPT_SCHEMA)
-        return _OpenPiece(name, bin_tmp, docs_tmp, open(bin_tmp, "wb"), hashlib.sha256(), writer)
+        with ExitStack() as files:
+            bin_file = files.enter_context((self.directory / f"{name}.bin").open_output())
+            docs_file = files.enter_context((self.directory / f"{name}.parquet").open_output())
+            writer = pq.ParquetWriter(docs_file, KEPT_SCHEMA)
+            return _OpenPiece(name, files.pop_all(), bin_file, hashlib.sha256(), writer)
 
     def add(self, doc: dict) -> None:
         if self._piece is None:
@@ -89,11 +82,9 @@ class PieceWriter:
         piece = self._piece
         if piece is None:
             return
-        piece.bin_file.close()
         piece.flush_docs()
         piece.docs_writer.close()
-        os.replace(piece.bin_tmp, self.directory / f"{piece.name}.bin")
-        os.replace(piece.docs_tmp, self.directory / f"{piece.name}.parquet")
+        piece.files.close()
         self.pieces.append(
             {"name": piece.name, "split": self.split, "tokens": piece.tokens, "docs": piece.docs,
              "sha256": piece.sha.hexdigest()}
@@ -108,14 +99,13 @@ class PieceWriter:
 class RejectedWriter:
     """``rejected/part-FFFFF-KKK.parquet`` for input file FFFFF, a new part every ``rows_per_file`` rows."""
 
-    def __init__(self, directory: Path, file_index: int, rows_per_file: int) -> None:
+    def __init__(self, directory: Location, file_index: int, rows_per_file: int) -> None:
         self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.file_index = file_index
         self.rows_per_file = rows_per_file
         self._writer: pq.ParquetWriter | None = None
+        self._file = ExitStack()
         self._name = ""
-        self._tmp = Path()
         self._rows = 0
         self.files: list[str] = []
 
@@ -124,8 +114,8 @@ class RejectedWriter:
         while offset < table.num_rows:
             if self._writer is None:
                 self._name = f"part-{self.file_index:05d}-{len(self.files):03d}.parquet"
-                self._tmp = temp_name(self.dir / self._name)
-                self._writer = pq.ParquetWriter(self._tmp, REJECTED_SCHEMA)
+                sink = self._file.enter_context((self.dir / self._name).open_output())
+                self._writer = pq.ParquetWriter(sink, REJECTED_SCHEMA)
                 self._rows = 0
             take = min(self.rows_per_file - self._rows, table.num_rows - offset)
             self._writer.write_table(table.slice(offset, take).select(REJECTED_COLUMNS).cast(REJECTED_SCHEMA))
@@ -137,39 +127,37 @@ class RejectedWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            os.replace(self._tmp, self.dir / self._name)
+            self._file.close()
             self.files.append(self._name)
             self._writer = None
 
 
-def write_empty_rejected(directory: Path) -> None:
+def write_empty_rejected(directory: Location) -> None:
     """Readers of rejected/*.parquet get an empty table, not a missing-file error, when nothing was dropped."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pq.write_table(REJECTED_SCHEMA.empty_table(), directory / "part-00000-000.parquet")
+    with (directory / "part-00000-000.parquet").open_output() as out:
+        pq.write_table(REJECTED_SCHEMA.empty_table(), out)
 
 
-def pack_shard(root: Path, pieces_dir: Path, pieces: list[dict], name: str) -> dict:
+def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: str) -> dict:
     """Join consecutive pieces into ``tokens/{name}.bin`` and ``documents/{name}.parquet``; return its entry."""
-    tokens_dir, docs_dir = root / "tokens", root / "documents"
-    tokens_dir.mkdir(exist_ok=True)
-    docs_dir.mkdir(exist_ok=True)
     sha = hashlib.sha256()
-    tmp_bin, tmp_docs = temp_name(tokens_dir / f"{name}.bin"), temp_name(docs_dir / f"{name}.parquet")
-    with open(tmp_bin, "wb") as out:
+    with (root / "tokens" / f"{name}.bin").open_output() as out:
         for piece in pieces:
-            with open(pieces_dir / f"{piece['name']}.bin", "rb") as src:
+            with (pieces_dir / f"{piece['name']}.bin").open_input() as src:
                 for chunk in iter(lambda src=src: src.read(COPY_CHUNK), b""):
                     sha.update(chunk)
                     out.write(chunk)
-    if len(pieces) == 1:
-        shutil.copyfile(pieces_dir / f"{pieces[0]['name']}.parquet", tmp_docs)
-    else:
-        with pq.ParquetWriter(tmp_docs, KEPT_SCHEMA) as writer:
-            for piece in pieces:
-                for batch in pq.ParquetFile(pieces_dir / f"{piece['name']}.parquet").iter_batches():
-                    writer.write_batch(batch)
-    os.replace(tmp_bin, tokens_dir / f"{name}.bin")
-    os.replace(tmp_docs, docs_dir / f"{name}.parquet")
+    with (root / "documents" / f"{name}.parquet").open_output() as out:
+        if len(pieces) == 1:
+            with (pieces_dir / f"{pieces[0]['name']}.parquet").open_input() as src:
+                for chunk in iter(lambda: src.read(COPY_CHUNK), b""):
+                    out.write(chunk)
+        else:
+            with pq.ParquetWriter(out, KEPT_SCHEMA) as writer:
+                for piece in pieces:
+                    with (pieces_dir / f"{piece['name']}.parquet").open_input() as src:
+                        for batch in pq.ParquetFile(src).iter_batches():
+                            writer.write_batch(batch)
     return {
         "path": f"tokens/{name}.bin",
         "split": pieces[0]["split"],
@@ -177,7 +165,6 @@ def pack_shard(root: Path, pieces_dir: Path, pieces: list[dict], name: str) -> d
         "docs": sum(p["docs"] for p in pieces),
         "sha256": sha.hexdigest(),
     }
-
 
 def plan_shards(pieces: list[dict], shard_tokens: int) -> list[tuple[str, list[dict]]]:
     """Group pieces (in input-file order) into shards per split: a shard closes at the first piece end at or

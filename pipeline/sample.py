@@ -10,15 +10,17 @@ import pyarrow.dataset as pads
 from rich.console import Console
 from rich.panel import Panel
 
+from ground.storage import Location
 from pipeline.steps.pii import PII_TYPES
 from pipeline.steps.quality import QUALITY_SIGNALS
 
 
 def load_rows(output: str | Path, rejected: bool, stage: str | None = None, reason: str | None = None):
-    folder = Path(output) / ("rejected" if rejected else "documents")
+    """The kept (or rejected) documents of an output, a local directory or an ``s3://``/``gs://`` prefix."""
+    folder = Location(output) / ("rejected" if rejected else "documents")
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: not a pipeline output (no {folder.name}/ directory)")
-    table = pads.dataset(folder, format="parquet").to_table()
+    table = pads.dataset(folder.path, filesystem=folder.fs, format="parquet").to_table()
     if stage:
         table = table.filter(pc.equal(table["stage"], stage))
     if reason:

@@ -8,13 +8,10 @@ and Common Crawl paths listings (``wet.paths.gz``), read through one retrying, h
   delivers. A permanent failure (404, 403, a missing local file) or exhausted attempts raise
   :class:`InputUnreadableError` naming the file.
 
-Filesystem layers: local files with :func:`open`; HTTP with fsspec's ``HTTPFileSystem`` (aiohttp); S3 with
-``pyarrow.fs.S3FileSystem`` (the AWS C++ SDK, the layer Ray Data itself uses for ``s3://``), built with
-``pyarrow.fs.FileSystem.from_uri``, which honours ``AWS_ENDPOINT_URL_S3`` (first) and ``AWS_ENDPOINT_URL``;
-credentials (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, profiles, instance roles)
-and ``AWS_REGION``/``AWS_DEFAULT_REGION`` come from the SDK's default chains (with both set, the C++ SDK takes
-``AWS_DEFAULT_REGION``; with no endpoint set, ``from_uri`` asks S3 for the bucket's region). Checked with pyarrow
-26 (tests/test_sources.py); a bare ``S3FileSystem()`` ignores the endpoint variables (apache/arrow#49643).
+Filesystem layers: local files with :func:`open`; HTTP with fsspec's ``HTTPFileSystem`` (aiohttp); ``s3://`` and
+``gs://`` with pyarrow's S3 and GCS filesystems from ``ground.storage`` (the one storage layer of the stack; the
+endpoint, credentials and region come from the environment as it says), here with the SDK's own retries off so
+that this module's retry loop sees, counts and bounds every failure. Checked with pyarrow 26 (tests/test_sources.py).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ import logging
 import os
 import random
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,14 +31,17 @@ from dataclasses import dataclass
 from typing import BinaryIO, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict, Field
 
+from ground.storage import STORAGE_SCHEMES, StorageError, check_scheme, filesystem, scheme_of
 from pipeline.errors import PipelineInputError
 
 log = logging.getLogger(__name__)
 
 WET_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".warc")
-REMOTE_SCHEMES = ("s3", "http", "https")
+HTTP_SCHEMES = ("http", "https")
+REMOTE_SCHEMES = (*STORAGE_SCHEMES, *HTTP_SCHEMES)
 LOCAL_BUFFER = 1 << 20
 REMOTE_BUFFER = 8 << 20  # one S3 ranged GET per refill; big enough that request overhead does not matter
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -172,65 +171,27 @@ def _with_retries(what: str, fn: Callable[[], T], retry: RetryConfig,
 # ---- uris and filesystems ----
 
 
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
-
-
 def is_remote(uri: str) -> bool:
-    m = _SCHEME.match(uri)
-    return m is not None and m.group(1).lower() in REMOTE_SCHEMES
+    return scheme_of(uri) in REMOTE_SCHEMES
 
 
 def _scheme(uri: str) -> str:
     """The URI's scheme, lower case ("" for a local path); an unsupported one is an error."""
-    m = _SCHEME.match(uri)
-    scheme = m.group(1).lower() if m else ""
-    if scheme and scheme not in (*REMOTE_SCHEMES, "file"):
-        raise PipelineInputError(f"{uri}: unsupported scheme {scheme!r} (use a local path, s3://, http:// or https://)")
-    return scheme
+    try:
+        return check_scheme(uri, also=HTTP_SCHEMES)
+    except StorageError as err:
+        raise PipelineInputError(str(err)) from err
 
 
 def _local_path(uri: str) -> str:
     return urlsplit(uri).path if uri.startswith("file://") else os.path.expanduser(uri)
 
 
-def _split_s3(uri: str) -> tuple[str, str]:
-    rest = uri.split("://", 1)[1]
-    bucket, _, key = rest.partition("/")
-    if not bucket:
-        raise PipelineInputError(f"{uri}: no bucket in the S3 URI")
-    return bucket, key
-
-
-_S3_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-           "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-_s3_filesystems: dict[tuple, object] = {}
-_s3_lock = threading.Lock()
-
-
-def _s3_filesystem(bucket: str, retry: RetryConfig):
-    """pyarrow's S3 filesystem for ``bucket``, from the environment (see the module docstring), cached."""
-    import pyarrow.fs as pafs
-
-    key = (bucket, retry.timeout_s, *(os.environ.get(name) for name in _S3_ENV))
-    with _s3_lock:
-        fs = _s3_filesystems.get(key)
-    if fs is not None:
-        return fs
-    # from_uri reads AWS_ENDPOINT_URL[_S3] and, without an endpoint, asks S3 for the bucket's region.
-    fs, _ = pafs.FileSystem.from_uri(f"s3://{bucket}")
-    try:
-        # Rebuild with the SDK's own retries off, so every failure reaches our retry loop (counted, logged,
-        # bounded by RetryConfig) instead of being multiplied by a hidden inner loop. The options are the ones
-        # pyarrow pickles the filesystem with.
-        options = dict(fs.__reduce__()[1][0])
-        options.update(connect_timeout=retry.timeout_s, request_timeout=retry.timeout_s,
-                       retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
-        fs = pafs.S3FileSystem(**options)
-    except (TypeError, ValueError, IndexError, KeyError) as err:  # a future pyarrow that pickles differently
-        log.debug("keeping pyarrow's default S3 retries: %s", err)
-    with _s3_lock:
-        _s3_filesystems[key] = fs
-    return fs
+def _object_store(uri: str, retry: RetryConfig) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for an ``s3://``/``gs://`` URI (``ground.storage``), with the SDK's own retries off,
+    so every failure reaches our retry loop (counted, logged, bounded by RetryConfig) instead of being multiplied
+    by a hidden inner loop."""
+    return filesystem(uri, timeout_s=retry.timeout_s, sdk_retries=False)
 
 
 def _http_filesystem(retry: RetryConfig):
@@ -255,13 +216,14 @@ def list_inputs(input: str | None = None, input_list: str | None = None, base_ur
     input = None if input is None else os.fspath(input)
     input_list = None if input_list is None else os.fspath(input_list)
     if (input is None) == (input_list is None):
-        raise PipelineInputError("give exactly one of an input (path, glob, s3:// or http(s):// URL) or an input list")
+        raise PipelineInputError("give exactly one of an input (path, glob, s3://, gs:// or http(s):// URL) or an "
+                                 "input list")
     if input is not None:
         if base_url is not None:
             raise PipelineInputError(f"{base_url}: a base URL applies only to an input list, not to {input}")
         scheme = _scheme(input)
-        if scheme == "s3":
-            return _list_s3(input, retry)
+        if scheme in STORAGE_SCHEMES:
+            return _list_object_store(input, retry)
         if scheme in ("http", "https"):
             if _GLOB_CHARS.search(urlsplit(input).path):
                 log.info("%s: HTTP cannot be listed; treating glob characters literally", input)
@@ -292,16 +254,16 @@ def _list_local(pattern: str) -> list[InputFile]:
     return [InputFile(p, os.path.getsize(p)) for p in sorted(os.path.abspath(p) for p in found)]
 
 
-def _list_s3(pattern: str, retry: RetryConfig) -> list[InputFile]:
-    import pyarrow.fs as pafs
+def _list_object_store(pattern: str, retry: RetryConfig) -> list[InputFile]:
     from fsspec.utils import glob_translate
-
-    bucket, key = _split_s3(pattern)
 
     def retried(fn: Callable[[], T]) -> T:  # each request has its attempts, as each read does
         return _with_retries(pattern, fn, retry)
 
-    fs = retried(lambda: _s3_filesystem(bucket, retry))
+    scheme = _scheme(pattern)
+    fs, path = retried(lambda: _object_store(pattern, retry))
+    bucket, _, key = path.partition("/")
+    key = key + "/" if pattern.endswith("/") and key else key  # filesystem() strips the slash of a prefix
     if m := _GLOB_CHARS.search(key):
         base = key[: key.rfind("/", 0, m.start()) + 1]
         matcher = re.compile(glob_translate(f"{bucket}/{key}"))
@@ -318,7 +280,7 @@ def _list_s3(pattern: str, retry: RetryConfig) -> list[InputFile]:
                      if i.type == pafs.FileType.File and i.base_name.endswith(WET_SUFFIXES)]
     if not infos:
         raise _no_match(pattern)
-    return [InputFile(f"s3://{i.path}", i.size) for i in sorted(infos, key=lambda i: i.path)]
+    return [InputFile(f"{scheme}://{i.path}", i.size) for i in sorted(infos, key=lambda i: i.path)]
 
 
 def _join(base_url: str, relative: str) -> str:
@@ -386,12 +348,12 @@ class _LocalHandle:
         self._fh.close()
 
 
-class _S3Handle:
-    """pyarrow's S3 input file: a HEAD at open (the size), then one ranged GET per read."""
+class _ObjectStoreHandle:
+    """pyarrow's S3 or GCS input file: a HEAD at open (the size), then one ranged GET per read."""
 
     def __init__(self, uri: str, offset: int, retry: RetryConfig) -> None:
-        bucket, key = _split_s3(uri)
-        self._fh = _s3_filesystem(bucket, retry).open_input_file(f"{bucket}/{key}")
+        fs, path = _object_store(uri, retry)
+        self._fh = fs.open_input_file(path)
         try:
             self.size = self._fh.size()
             self._fh.seek(offset)
@@ -468,8 +430,8 @@ class _HTTPHandle:
 
 def _opener(uri: str, retry: RetryConfig) -> Callable[[int], _Handle]:
     scheme = _scheme(uri)
-    if scheme == "s3":
-        return lambda offset: _S3Handle(uri, offset, retry)
+    if scheme in STORAGE_SCHEMES:
+        return lambda offset: _ObjectStoreHandle(uri, offset, retry)
     if scheme in ("http", "https"):
         return lambda offset: _HTTPHandle(uri, offset, retry)
     path = _local_path(uri)

@@ -1,43 +1,32 @@
-"""The staging directory a run builds its output in: progress markers for ``--resume``, atomic publication.
+"""How a run builds its output in place, for ``--resume``, on a local disk or in object storage alike.
 
-``OUTPUT`` is built in ``.OUTPUT.staging`` beside it. Every unit of work (a file of a pass, the dedup pass, the
-tokenizer, a shard) writes its result under a temporary name, renames it into place and then writes a small
-JSON marker; a marker therefore means the work it names is complete. A killed run leaves the staging
-directory; ``--resume`` redoes only the units without a marker, after checking that config and input list are
-the ones the run started with (``state.json``). When every unit is done the work files are removed and the
-directory is renamed to ``OUTPUT``, so a reader never sees a half-written output.
+Object storage has no rename, so an output is published by writing its manifest last (``ground.storage.publish``):
+a reader takes ``OUTPUT`` for a complete pipeline output only once ``OUTPUT/manifest.json`` is there. The run
+keeps its state in ``OUTPUT/.staging/``: ``state.json`` (config, input list and resources the run started with)
+and ``work/`` (the persisted filter output, dedup decisions, token pieces and a small JSON marker per finished
+unit of work: a file of a pass, the dedup pass, the tokenizer, a shard). Every file appears whole at its final
+name (``Location.open_output``) before its marker is written, so a marker means the work it names is complete.
+A killed run leaves ``.staging``; ``--resume`` redoes only the units without a marker, after checking that the
+config, inputs and resources are the run's. Publishing writes the manifest, then removes ``.staging``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ground.storage import Location, StorageError, discard, is_published, publish
 from pipeline.errors import PipelineInputError, PipelineOutputError
 
 log = logging.getLogger(__name__)
 # 2: url_filter, decontamination and pii stages (new columns in work/filtered/) and the resources check.
 # 3: the classifier stage (classifier_score column, the model in resources); kept_stats in tokenize markers.
-STATE_VERSION = 3
-
-
-def temp_name(final: Path) -> Path:
-    """A hidden name beside ``final`` unique to this writer: a task of a killed run that is still finishing can
-    never write into the same temporary file as its redo (both then rename identical content into place)."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+# 4: the output is built in place, its state under OUTPUT/.staging (was a sibling directory, renamed at the end).
+STATE_VERSION = 4
+MANIFEST = "manifest.json"
+STAGING = ".staging"
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -60,75 +49,87 @@ def _input_difference(old: list[str], new: list[str]) -> str | None:
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Where a run's pieces live inside its staging directory."""
+    """Where a run's files live: the published ones under ``root`` (the output), the work under ``.staging``."""
 
-    root: Path
+    root: Location
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, Location):  # a path or URI given as such
+            object.__setattr__(self, "root", Location(self.root))
 
     @property
-    def work(self) -> Path:
-        return self.root / "work"
+    def staging(self) -> Location:
+        return self.root / STAGING
 
-    def filtered(self, index: int) -> Path:
+    @property
+    def work(self) -> Location:
+        return self.staging / "work"
+
+    def filtered(self, index: int) -> Location:
         return self.work / "filtered" / f"{index:05d}.parquet"
 
     @property
-    def decisions_dir(self) -> Path:
+    def decisions_dir(self) -> Location:
         return self.work / "dedup"
 
     @property
-    def pieces_dir(self) -> Path:
+    def pieces_dir(self) -> Location:
         return self.work / "pieces"
 
-    def done(self, name: str) -> Path:
-        return self.work / "done" / f"{name}.json"
+    @property
+    def done_dir(self) -> Location:
+        return self.work / "done"
+
+    def done(self, name: str) -> Location:
+        return self.done_dir / f"{name}.json"
 
 
 class RunStaging:
-    """The staging directory of one output; see the module docstring."""
+    """The state of one output's run; see the module docstring."""
 
-    def __init__(self, output: Path, config: dict, inputs: list[str], overwrite: bool, resume: bool,
+    def __init__(self, output: Location | str | Path, config: dict, inputs: list[str], overwrite: bool, resume: bool,
                  resources: dict | None = None) -> None:
-        self.output = output
-        if output.exists() and not output.is_dir():
-            raise PipelineOutputError(f"{output}: exists and is not a directory")
-        if output.is_dir() and any(output.iterdir()) and not overwrite:
-            raise PipelineOutputError(f"{output}: directory is not empty (pass --overwrite to replace it)")
-        parent = output.parent
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise PipelineOutputError(f"{parent}: cannot create output parent directory: {err}") from err
-        if not os.access(parent, os.W_OK):
-            raise PipelineOutputError(f"{parent}: not writable")
-        self.path = parent / f".{output.name}.staging"
-        self.paths = RunPaths(self.path)
-        self.work = self.paths.work
+        self.output = output = output if isinstance(output, Location) else Location(output)
+        self.paths = RunPaths(output)
+        self.path = self.paths.staging
         # resources: what the config's files held (URL blocklist, eval sets: path, sha256, sizes).
         state = {"version": STATE_VERSION, "config": config, "inputs": inputs, "resources": resources or {}}
         state_file = self.path / "state.json"
         self.resumed = False
-        if self.path.exists():
-            if resume:
+        try:
+            if output.is_file():
+                raise PipelineOutputError(f"{output}: exists and is not a directory")
+            unfinished = state_file.is_file()
+            if unfinished and is_published(output, MANIFEST):
+                # Killed between publishing and removing its state: the output is complete.
+                self.path.delete()
+                unfinished = False
+            if unfinished and resume:
                 self._check_same_run(state_file, state)
                 self.resumed = True
                 log.info("resuming the unfinished run in %s", self.path)
                 return
-            if not overwrite:
+            if unfinished and not overwrite:
                 raise PipelineOutputError(
-                    f"{self.path}: an unfinished run of this output is there; pass --resume to continue it "
-                    "or --overwrite to start over"
-                )
-            shutil.rmtree(self.path)
-        elif resume:
-            log.info("nothing to resume at %s: starting a new run", self.path)
-        self.work.mkdir(parents=True)
-        write_json_atomic(state_file, state)
+                    f"{output}: an unfinished run of this output is there ({self.path}); pass --resume to continue "
+                    "it or --overwrite to start over")
+            if not output.is_empty():
+                if not overwrite:
+                    what = "holds a finished pipeline output" if is_published(output, MANIFEST) else "is not empty"
+                    raise PipelineOutputError(f"{output}: {what} (pass --overwrite to replace it)")
+                log.info("--overwrite: removing %s", output)
+                discard(output, MANIFEST)
+            elif resume:
+                log.info("nothing to resume at %s: starting a new run", self.path)
+            state_file.write_json(state)
+        except (OSError, StorageError) as err:  # no bucket, no credentials, not writable
+            raise PipelineOutputError(f"{output}: cannot write the output there: {err}") from err
 
     @staticmethod
-    def _check_same_run(state_file: Path, state: dict) -> None:
+    def _check_same_run(state_file: Location, state: dict) -> None:
         try:
-            old = json.loads(state_file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            old = state_file.read_json()
+        except (OSError, StorageError) as err:
             raise PipelineOutputError(f"{state_file}: cannot read the unfinished run's state ({err})") from err
         if old.get("version") != STATE_VERSION:
             raise PipelineInputError(f"{state_file}: written by another version of the pipeline; cannot resume")
@@ -147,22 +148,17 @@ class RunStaging:
                 "cannot resume: a file the config names has changed since the unfinished run: " + "; ".join(changed[:5])
             )
 
+    def finished(self) -> set[str]:
+        """The names of the units of work whose marker is there (one listing, not a request per unit)."""
+        return {name.removesuffix(".json") for name in self.paths.done_dir.files(recursive=False)}
+
     def is_done(self, name: str) -> bool:
         return self.paths.done(name).is_file()
 
     def read_marker(self, name: str) -> dict:
-        return json.loads(self.paths.done(name).read_text())
+        return self.paths.done(name).read_json()
 
-    def publish(self) -> None:
-        """Drop the work files and rename the finished directory to the output name."""
-        shutil.rmtree(self.work)
-        (self.path / "state.json").unlink()
-        for leftover in self.path.rglob(".*.tmp-*"):  # from tasks of a killed run that never finished
-            leftover.unlink()
-        old = None
-        if self.output.exists():
-            old = self.output.parent / f".{self.output.name}.old-{uuid.uuid4().hex[:8]}"
-            self.output.rename(old)
-        self.path.rename(self.output)
-        if old is not None:
-            shutil.rmtree(old)
+    def publish(self, manifest: dict) -> None:
+        """Write the manifest (the output is complete from here on), then remove the run's state and work."""
+        publish(self.output, MANIFEST, manifest)
+        self.path.delete()

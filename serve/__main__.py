@@ -1,4 +1,4 @@
-"""python -m serve --model DIR [--port 8000]: deploy the completions app (and optionally the canary) on Ray Serve.
+"""python -m serve --model DIR|URI [--port 8000]: deploy the completions app (and optionally the canary) on Ray Serve.
 
 Runs on a local Ray by default, or on a cluster with ``--address auto`` / ``RAY_ADDRESS``; blocks until
 Ctrl-C, then shuts Serve down. The same application deploys from a config file with
@@ -34,7 +34,10 @@ from train.overrides import ConfigError, apply_overrides, build, parse_set
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="export dir (python -m train.export --output)")
+    parser.add_argument(
+        "--model", required=True, help="export dir (python -m train.export --output): a path, or a URI "
+        "(s3://…, gs://…) that each replica fetches into its node's cache ($RAYLM_CACHE_DIR), verified",
+    )  # fmt: skip
     parser.add_argument("--name", help="model name clients send and /v1/models lists (default: dir name)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
@@ -44,7 +47,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=batch, help="KV slots per replica (%(default)s)")
     parser.add_argument("--max-ongoing-requests", type=int, default=ongoing, help="requests per replica (%(default)s)")
     parser.add_argument("--num-replicas", type=int, help="fixed replica count (default: autoscale 1..2)")
+    parser.add_argument(
+        "--max-replicas-per-node",
+        type=int,
+        help="at most N replicas on one node (1: a node loss takes one replica, not all; default: no limit)",
+    )
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica")
+    parser.add_argument(
+        "--proxy-location",
+        choices=("EveryNode", "HeadOnly"),
+        help="where Serve runs HTTP proxies (default: Serve's, EveryNode: the head and every node with a replica). "
+        "HeadOnly when clients reach the head only (ray attach --port-forward): a lost node then fails only the "
+        "requests its replicas were serving, not also those passing through its proxy",
+    )
     parser.add_argument(
         "--metrics-sd-dir",
         default=str(DEFAULT_SD_DIR),
@@ -121,6 +136,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "chat_assistant_prefix": args.chat_assistant_prefix,
         "chat_stop": list(args.chat_stop if args.chat_stop is not None else DEFAULT_CHAT_STOP),
     }
+    if args.max_replicas_per_node is not None:
+        out["max_replicas_per_node"] = args.max_replicas_per_node
     if args.num_replicas is not None:
         out["num_replicas"] = args.num_replicas
     else:
@@ -149,15 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from serve.app import build_app
-    from serve.model_dir import ModelDirError, load_model_dir
+    from serve.model_dir import ModelDirError, check_model_dir
 
     try:
-        load_model_dir(args.model)  # fail here, with a clear message, rather than in a replica's log
+        check_model_dir(args.model)  # fail here, with a clear message, rather than in a replica's log
     except ModelDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray.init(address=args.address)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    from serve.proxy_guard import controller_env
+
+    serve.start(
+        proxy_location=args.proxy_location,
+        http_options={"host": args.host, "port": args.port},
+        # The proxies inherit the controller's environment: this installs serve/proxy_guard.py in each, which answers
+        # (and counts) a request whose replica was lost mid-request, rather than a bare 500 or a cut stream.
+        controller_options={"runtime_env": {"env_vars": controller_env()}},
+    )
     serve.run(build_app(built), name="raylm", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(

@@ -35,6 +35,9 @@ CLIENT_CLOSED = 499
 # would dilute the 5xx ratio that RayLMErrorRateHigh alerts on. Every other path is counted.
 UNCOUNTED_PATHS = frozenset({"/health", "/v1/engine/stats", "/v1/canary"})
 OUTCOME_KEY = "raylm.outcome"  # where a request's Outcome lives in its ASGI scope
+# Every counted response names the replica that produced it (its full Serve id, SERVE_REPLICA::app#deployment#id):
+# which replica, and so which node, served a request, also a stream whose replica is lost after its headers went out.
+REPLICA_HEADER = b"x-raylm-replica"
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -105,6 +108,7 @@ class RequestAccounting:
             return
         server = serve.get_replica_context().servable_object
         cap = server.args.max_request_bytes
+        replica = server.replica.encode()
         outcome = scope[OUTCOME_KEY] = Outcome()
         status: int | None = None
         complete = False
@@ -114,6 +118,7 @@ class RequestAccounting:
             nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, replica)]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 complete = True
             await send(message)

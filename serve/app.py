@@ -41,6 +41,7 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.handle import DeploymentHandle
 
+from ground.storage import Location
 from serve.accounting import CLIENT_CLOSED, Outcome, RequestAccounting, install_error_handlers, request_outcome
 from serve.config import DEFAULT_MAX_ONGOING_REQUESTS, AppArgs
 from serve.detok import TokenBytes
@@ -473,6 +474,8 @@ def server_deployment(opts: AppArgs) -> Deployment:
     deployment_opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": opts.replica_cpus}}
     if opts.max_ongoing_requests is not None:
         deployment_opts["max_ongoing_requests"] = opts.max_ongoing_requests
+    if opts.max_replicas_per_node is not None:
+        deployment_opts["max_replicas_per_node"] = opts.max_replicas_per_node
     if opts.num_replicas is not None:
         deployment_opts["num_replicas"] = opts.num_replicas
     elif opts.autoscaling_config is not None:
@@ -487,8 +490,9 @@ def build_app(args: dict[str, Any]) -> Application:
     builders whose annotation is a class, and postponed annotations here are strings.
     """
     opts = AppArgs.model_validate(args)
-    # Resolved here, on the driver: a relative path means the caller's working directory, not the replica's.
-    opts = opts.model_copy(update={"model": str(Path(opts.model).resolve())})
+    # Resolved here, on the driver: a relative path means the caller's working directory, not the replica's. A URI
+    # stays one: each replica fetches the export into its own node's cache (serve.model_dir).
+    opts = opts.model_copy(update={"model": Location(opts.model).uri})
     canary = None
     if opts.canary_evalset:
         from serve.canary import CanaryDeployment

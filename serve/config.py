@@ -57,6 +57,9 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(DEFAULT_MAX_BATCH_SIZE, ge=1)
     max_ongoing_requests: int | None = Field(None, ge=1)  # None: the deployment's DEFAULT_MAX_ONGOING_REQUESTS
     num_replicas: int | None = Field(None, ge=1)  # fixed replica count; otherwise the autoscaling config applies
+    # At most this many replicas on one node (Serve's max_replicas_per_node): 1 spreads the replicas over nodes, so
+    # losing a node takes one replica, not all of them. None: Serve packs or spreads as capacity falls.
+    max_replicas_per_node: int | None = Field(None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     replica_cpus: float = Field(1.0, gt=0)
     metrics_host: str = "127.0.0.1"

@@ -119,7 +119,7 @@ def _token_counter(data_dir: str | Path) -> Callable[[str], int]:
 
     from train.manifest import load_manifest
 
-    tokenizer = Tokenizer.from_file(str(load_manifest(data_dir).tokenizer_path))
+    tokenizer = Tokenizer.from_file(str(load_manifest(data_dir).tokenizer_file()))
     return lambda text: len(tokenizer.encode(text).ids)
 
 

@@ -86,8 +86,9 @@ def runs(ray_cluster: str, token_dir: Path, tmp_path_factory: pytest.TempPathFac
     every4 = {"checkpoint.interval_steps": 4}
     launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **every4))
     crash = KillOnce(step=5, rank=0)
+    no_retry = {"checkpoint.max_failures": 0}
     with pytest.raises(WorkerGroupError):  # max_failures=0: the run fails
-        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
+        launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4, **no_retry), on_step_end=crash)
     with pytest.raises(PreflightError, match="--resume"):  # a fresh run must not silently continue it
         launch(config_for(token_dir, out["ddp_resumed"], "ddp", 2, **every4), on_step_end=crash)
     resume = {"checkpoint.resume": True}
@@ -97,7 +98,7 @@ def runs(ray_cluster: str, token_dir: Path, tmp_path_factory: pytest.TempPathFac
     on_s3 = {"checkpoint.storage": f"{ray_cluster}/runs", **every4}
     crashed = root / "lost_node" / "ddp_s3"
     with pytest.raises(WorkerGroupError):
-        launch(config_for(token_dir, crashed, "ddp", 2, **on_s3), on_step_end=KillOnce(step=5, rank=0))
+        launch(config_for(token_dir, crashed, "ddp", 2, **on_s3, **no_retry), on_step_end=KillOnce(step=5, rank=0))
     assert list_checkpoints(crashed) == []  # nothing but the bucket holds them
     with pytest.raises(PreflightError, match=r"s3://raylm-checkpoints/runs/ddp_s3 already holds checkpoints"):
         launch(config_for(token_dir, out["ddp_s3"], "ddp", 2, **on_s3))

@@ -10,6 +10,7 @@ prove the excludes keep the upload small.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import subprocess
@@ -135,7 +136,7 @@ def _recorded_submissions(snippet: Path, tmp_path: Path, env: dict[str, str]) ->
 
 SNIPPET_ENV = {
     "INPUT": "s3://bucket/crawl/*.warc.wet.gz",
-    "SHARED": "/mnt/shared/raylm",
+    "ROOT": "s3://bucket/raylm/",
     "EVALSET": "evals/canary.jsonl",
 }
 
@@ -165,8 +166,20 @@ def test_snippet_submits_design_commands_with_working_dir(
 def test_pipeline_snippet_passes_the_glob_through_unexpanded(tmp_path: Path) -> None:
     (argv,) = _recorded_submissions(JOBS / "submit_pipeline.sh", tmp_path, SNIPPET_ENV)
     entrypoint = argv[argv.index("--") + 1 :]
-    expected = "python -m pipeline run --input s3://bucket/crawl/*.warc.wet.gz --output /mnt/shared/raylm/data"
+    expected = "python -m pipeline run --input s3://bucket/crawl/*.warc.wet.gz --output s3://bucket/raylm/data"
     assert entrypoint == expected.split()
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=lambda p: p.name)
+def test_snippets_hand_data_over_through_root_and_refuse_to_run_without_it(snippet: Path, tmp_path: Path) -> None:
+    calls = _recorded_submissions(snippet, tmp_path, SNIPPET_ENV)
+    # Every path a stage writes or reads from another stage is under ROOT: no node-local path crosses a job.
+    handed = [a for argv in calls for flag, a in itertools.pairwise(argv)
+              if flag in ("--output", "--data", "--run", "--model")]
+    assert handed and all(a.startswith("s3://bucket/raylm/") for a in handed), handed
+    missing = subprocess.run(["bash", str(snippet)], cwd=ROOT, capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", **{k: v for k, v in SNIPPET_ENV.items() if k != "ROOT"}})
+    assert missing.returncode != 0 and "ROOT=s3://" in missing.stderr
 
 
 def test_runtime_env_is_valid_and_keeps_the_upload_small(tmp_path: Path) -> None:

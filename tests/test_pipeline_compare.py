@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 from conftest import SAMPLE
 
+from ground.hashing import sha256_file
+from ground.storage import Location
 from pipeline.__main__ import main
 from pipeline.compare import Output, measure_kept_stats
-from pipeline.output import PieceWriter, pack_shard, write_json
+from pipeline.output import PieceWriter, pack_shard
 from pipeline.report import EXACT_LENGTHS, KeptTokenStats, StageAccounting, render_markdown, stage_rows
 from pipeline.steps.extract import read_wet
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.tokenize import EOT, TokenizeConfig, TokenizeDocs, token_dtype, train_tokenizer
-from train.manifest import sha256_file
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,11 @@ def build_output(root: Path, rows: list[dict], tokenizer, drop_rate: float = 0.2
     TokenizeDocs(tokenizer.to_str(), config)(docs)
     stats = KeptTokenStats()
     dtype = token_dtype(tokenizer.get_vocab_size())
-    writer = PieceWriter(root / "pieces", "train-00000", "train", dtype, 1 << 30)
+    writer = PieceWriter(Location(root / "pieces"), "train-00000", "train", dtype, 1 << 30)
     for doc in docs:
         writer.add(doc)
         stats.add(doc["language"], doc["text"], len(doc["tokens"]) - 1)
-    entry = pack_shard(root, root / "pieces", writer.close(), "train-00000")
+    entry = pack_shard(Location(root), Location(root / "pieces"), writer.close(), "train-00000")
     shutil.rmtree(root / "pieces")
     tokenizer.save(str(root / "tokenizer.json"))
     acc = StageAccounting()
@@ -59,12 +60,12 @@ def build_output(root: Path, rows: list[dict], tokenizer, drop_rate: float = 0.2
     acc.add_summary({"records": len(docs) + dropped, "drops": [["quality", "gopher:min_words", dropped]],
                      "seconds": {}})
     acc.add_summary({"kept": len(docs), "drops": [], "seconds": {}})
-    write_json(root / "manifest.json", {
+    Location(root / "manifest.json").write_json({
         "tokenizer": {"path": "tokenizer.json", "sha256": sha256_file(root / "tokenizer.json"),
                       "vocab_size": tokenizer.get_vocab_size(), "eot_id": tokenizer.token_to_id(EOT)},
         "dtype": dtype.name, "shards": [entry], "sources": [], "resources": {}, "config": {}})
     report = {"stages": stage_rows(acc), "doc_tokens": stats.length_distribution(), "fertility": stats.fertility()}
-    write_json(root / "report.json", report)
+    Location(root / "report.json").write_json(report)
     return {"stats": stats, "docs": docs}
 
 
@@ -160,7 +161,7 @@ def test_changed_drop_rate_exceeds_its_threshold(outputs, tmp_path, capsys):
     report = json.loads((cand / "report.json").read_text())
     quality = next(s for s in report["stages"] if s["name"] == "quality")
     quality["drop_rate"] = round(quality["drop_rate"] + 0.2, 6)
-    write_json(cand / "report.json", report)
+    Location(cand / "report.json").write_json(report)
     rc, result = _compare(outputs["tmp"] / "base", cand, "--max-drop-rate-change", "0.1", "--max-jsd", "0.01",
                           capsys=capsys)
     assert rc == 1 and len(result["exceeded"]) == 1

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -178,7 +179,7 @@ def test_non_empty_output_is_refused_and_left_alone(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
-def test_corrupt_file_fails_the_run_naming_it_and_leaves_no_output(tmp_path):
+def test_corrupt_file_fails_the_run_naming_it_and_publishes_nothing(tmp_path):
     inputs = tmp_path / "in"
     inputs.mkdir()
     write_wet(inputs / "good.warc.wet.gz", [(f"g{i}", article(f"town {i}")) for i in range(3)])
@@ -189,9 +190,10 @@ def test_corrupt_file_fails_the_run_naming_it_and_leaves_no_output(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(PipelineInputError, match=r"bad\.warc\.wet\.gz: corrupt input"):
         run_pipeline(str(inputs), out)
-    assert not out.exists()
-    # The good file's work is kept for --resume (after fixing the input), in the staging directory only.
-    assert (tmp_path / ".out.staging" / "work" / "filtered").is_dir()
+    # Nothing published: no manifest, and no file of the output's but the run's state. The good file's work is
+    # kept for --resume (after fixing the input).
+    assert {p.relative_to(out).parts[0] for p in out.rglob("*") if p.is_file()} == {".staging"}
+    assert (out / ".staging" / "work" / "filtered").is_dir()
 
 
 def test_sample_command_shows_documents_with_reasons(sample_run):
@@ -227,8 +229,16 @@ def test_set_overrides_reach_the_run_config():
 def test_output_under_a_file_is_a_clear_error(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    with pytest.raises(PipelineOutputError, match="cannot create output parent directory"):
+    with pytest.raises(PipelineOutputError, match=r"not-a-dir/sub/out: cannot write the output there: .*Not a dir"):
         run_pipeline(str(SAMPLE / "CC-MAIN-2024-22-whirlwind.warc.wet.gz"), blocker / "sub" / "out")
+
+
+@pytest.mark.parametrize("output", ["ftp://host/out", "hdfs://namenode/out", "s3://"])
+def test_an_output_uri_we_cannot_write_is_refused_not_made_a_local_dir(tmp_path, monkeypatch, output):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PipelineOutputError, match=re.escape(output)):
+        run_pipeline(str(SAMPLE / "CC-MAIN-2024-22-whirlwind.warc.wet.gz"), output)
+    assert list(tmp_path.iterdir()) == []  # no "ftp:" or "s3:" directory made here
 
 
 def test_a_file_that_is_not_warc_becomes_one_drop_when_asked(tmp_path):

@@ -149,7 +149,7 @@ def test_the_driver_names_a_missing_eval_set_or_blocklist_before_ray_starts(tmp_
     ]:
         with pytest.raises(PipelineInputError, match=str(missing)):
             PipelineRun(str(SAMPLE), tmp_path / "out", load_config(None, {key: value}))
-        assert not (tmp_path / ".out.staging").exists()
+        assert not (tmp_path / "out" / ".staging").exists()
 
 
 def test_resume_refuses_an_eval_set_changed_under_the_same_path(tmp_path):

@@ -115,8 +115,8 @@ def test_nothing_to_read_names_the_pattern(tmp_path):
         list_inputs(str(tmp_path / "*.warc.wet.gz"))
     with pytest.raises(PipelineInputError, match="exactly one"):
         list_inputs()
-    with pytest.raises(PipelineInputError, match="unsupported scheme 'gs'"):
-        list_inputs("gs://bucket/prefix")
+    with pytest.raises(PipelineInputError, match="ftp://bucket/prefix: unsupported scheme 'ftp'"):
+        list_inputs("ftp://bucket/prefix")
 
 
 def test_s3_prefix_lists_recursively_in_the_local_order(s3_sample, moto_endpoint, tree):

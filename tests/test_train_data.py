@@ -22,11 +22,12 @@ import pytest
 import torch
 import yaml
 
+from ground.hashing import sha256_file
 from train import shard_verify
 from train.__main__ import main, overrides_from_args, parse_args
 from train.config import ConfigError, config_from_dict, load_config
 from train.data import StepBatches, TrainBatches, ValBatches, global_sample_windows, rank_windows
-from train.manifest import DataError, Manifest, load_manifest, sha256_file
+from train.manifest import DataError, Manifest, load_manifest
 from train.optim import learning_rate
 from train.shard_verify import ShardVerifier
 

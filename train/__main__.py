@@ -1,5 +1,5 @@
-"""python -m train --data DIR --output DIR --strategy single|ddp|fsdp --workers N --steps N [--config FILE.yaml]
-[--resume]"""
+"""python -m train --data DIR|URI --output DIR|URI --strategy single|ddp|fsdp --workers N --steps N
+[--config FILE.yaml] [--resume]"""
 
 from __future__ import annotations
 
@@ -25,10 +25,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then run `python -m train.export --run OUTPUT --output DIR` for serving.",
     )
     parser.add_argument(
-        "--data", required=True, help="pipeline output dir (with manifest.json), or a weighted mixture of several: "
-        "name=DIR:weight,name=DIR:weight (e.g. web=runs/web:0.7,books=runs/books:0.3; one tokenizer for all)",
+        "--data", required=True, help="pipeline output dir (with manifest.json), a path or a URI (s3://…, gs://…: "
+        "each node fetches a shard into its cache, $RAYLM_CACHE_DIR, at its first read), or a weighted mixture of "
+        "several: name=DIR:weight,name=DIR:weight (e.g. web=runs/web:0.7,books=s3://b/books:0.3; one tokenizer)",
     )  # fmt: skip
-    parser.add_argument("--output", required=True, help="run dir (also Ray Train's storage_path/name)")
+    parser.add_argument(
+        "--output", required=True, help="run dir, a path or a URI such as s3://bucket/runs/NAME (also Ray Train's "
+        "storage_path/name, so the checkpoints go there too)",
+    )  # fmt: skip
     parser.add_argument("--strategy", choices=STRATEGIES, help="parallelism (overrides parallel.strategy)")
     parser.add_argument("--workers", type=int, help="Ray Train workers (overrides parallel.workers)")
     parser.add_argument("--steps", type=int, help="optimizer steps (overrides steps)")

@@ -84,7 +84,16 @@ class OptimizerConfig(_Section):
 
 class ParallelConfig(_Section):
     strategy: Strategy = "single"
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1)  # the group's size, or its largest size with min_workers
+    # Elastic training (Ray Train's ScalingConfig(num_workers=(min_workers, workers))): the run starts with as many
+    # workers as the cluster has room for, at least min_workers, and after losing a node restarts from the last
+    # checkpoint on the workers left instead of waiting for a replacement. The global batch is kept by gradient
+    # accumulation, so every world size in [min_workers, workers] must divide it (checked here). None: workers
+    # (a fixed group, which waits for capacity to come back).
+    min_workers: int | None = Field(None, ge=1)
+    # How often a healthy elastic run checks for room to grow back towards `workers`. Growing restarts the group
+    # from the last checkpoint (the steps since are redone), so this bounds how often that cost is paid.
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
     cpus_per_worker: int = Field(1, ge=1)  # Ray CPU reservation per worker, also its torch intra-op thread count
     use_gpu: bool = False
     precision: Precision = "fp32"
@@ -169,18 +178,41 @@ class TrainConfig(_Section):
                 )
         if self.checkpoint.rollback_after_bad > 0 and not self.checkpoint.enabled:
             raise ValueError("checkpoint.rollback_after_bad needs checkpoint.enabled")
+        if p.min_workers is not None and p.min_workers > p.workers:
+            raise ValueError(f"parallel.min_workers ({p.min_workers}) must be <= parallel.workers ({p.workers})")
         per_step = d.micro_batch_size * p.workers
         if d.global_batch_size % per_step != 0:
             raise ValueError(
                 f"global_batch_size ({d.global_batch_size}) must be a multiple of micro_batch_size × workers "
                 f"({d.micro_batch_size} × {p.workers} = {per_step}) so every rank runs whole micro-batches"
             )
+        # An elastic group may restart at any size in [min_workers, workers]; each must split the global batch
+        # into whole micro-batches, or that restart could not keep it. Refused here, before anything starts.
+        uneven = [w for w in self.world_sizes if d.global_batch_size % (d.micro_batch_size * w)]
+        if uneven:
+            raise ValueError(
+                f"data.global_batch_size ({d.global_batch_size}) must be a multiple of data.micro_batch_size × "
+                f"world size ({d.micro_batch_size} × w) for every world size from parallel.min_workers "
+                f"({p.min_workers}) to parallel.workers ({p.workers}); it is not for w = {uneven}"
+            )
         return self
 
     @property
-    def grad_accum_steps(self) -> int:
-        """Micro-steps per optimizer step; shrinks as workers grow so the global batch stays fixed."""
-        return self.data.global_batch_size // (self.data.micro_batch_size * self.parallel.workers)
+    def world_sizes(self) -> range:
+        """The sizes the worker group may have: [min_workers, workers] (just ``workers`` when not elastic)."""
+        p = self.parallel
+        return range(p.workers if p.min_workers is None else p.min_workers, p.workers + 1)
+
+    def grad_accum_for(self, world_size: int) -> int:
+        """Micro-steps per optimizer step at ``world_size``: global batch / (micro batch × world size), so the
+        global batch stays fixed whatever the group's size."""
+        per_micro_step = self.data.micro_batch_size * world_size
+        if self.data.global_batch_size % per_micro_step:
+            raise ValueError(
+                f"data.global_batch_size ({self.data.global_batch_size}) is not a multiple of data.micro_batch_size "
+                f"× world size ({self.data.micro_batch_size} × {world_size})"
+            )
+        return self.data.global_batch_size // per_micro_step
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what config.yaml, manifests and the Ray workers receive)."""

@@ -21,7 +21,9 @@ while the current one computes (into pinned memory on CUDA; the training thread 
 device copy). Reads are keyed by step number, so read-ahead cannot change what a step gets: when the
 position jumps (a rollback or resume assigns ``step``), reads for other steps are dropped and the right one
 is read. ``StepBatches.wait_s`` is what the training thread still waited. With a ``ShardVerifier``, each
-shard's sha256 is checked against the manifest before its first read (``train.shard_verify``).
+shard's sha256 is checked against the manifest before its first read (``train.shard_verify``). A shard in object
+storage is fetched into the node's cache at its first read, verified as it downloads (``WindowIndex.verified_file``):
+training starts without a full copy, and with read-ahead the download happens on the background thread.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ground.cache import fetch_verified
 from train.manifest import Manifest, Shard
 from train.mixture import Source, cumulative_counts
 from train.shard_verify import DaemonPool, ShardVerifier
@@ -69,11 +73,23 @@ class WindowIndex:
         shard, offset = self.locate(window)
         tokens = self._maps.get(shard)
         if tokens is None:
-            if self.verifier is not None:
-                self.verifier.ensure(self.shards[shard])
             # Opened lazily and kept: a memmap costs no memory until pages are touched.
-            tokens = self._maps[shard] = np.memmap(self.shards[shard].path, dtype=dtype, mode="r")
+            tokens = self._maps[shard] = np.memmap(self.verified_file(self.shards[shard]), dtype=dtype, mode="r")
         return np.asarray(tokens[offset : offset + self.block_size + 1], dtype=np.int64)
+
+    def verified_file(self, shard: Shard) -> Path:
+        """The local file to read ``shard`` from, its bytes checked against the manifest's sha256.
+
+        A shard in object storage is fetched at its first read into the node's cache, where the ranks of a node
+        share one download (``ground.cache.fetch_verified``: a file lock, then the bytes hashed as they arrive),
+        so it is verified already and the verifier is not asked to hash it again. A local shard is checked by
+        the verifier, when there is one."""
+        if shard.is_remote:
+            assert shard.sha256 is not None  # train.manifest requires it for data in object storage
+            return fetch_verified(shard.location, shard.sha256)
+        if self.verifier is not None:
+            self.verifier.ensure(shard)
+        return shard.path
 
 
 Seed = int | tuple[int, int]  # the run's seed, or (seed, source index) for one source of a mixture

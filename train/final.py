@@ -3,19 +3,19 @@
 ``final/model.safetensors`` (unsharded state dict, plain GPT names), ``final/probe.safetensors`` (a fixed
 input and the live, possibly sharded, model's logits on it: export checks the consolidated weights
 reproduce them), ``final/final.json`` (step, configs, data manifest sha256, replica digests, bad steps,
-rollbacks, resumes, last checkpoint), and the loss-curve PNG next to metrics.jsonl.
+rollbacks, resumes, last checkpoint, and the size and sha256 of the two other files), and the loss-curve PNG
+next to metrics.jsonl. With a run dir in object storage, rank 0 writes them on its node and uploads them,
+final.json last (``train.run_dir``).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from train.curves import plot_loss_curves
+from train.curves import PLOT_FILE, plot_loss_curves
 from train.layout import FINAL_DIR, FINAL_INFO, FINAL_MODEL, FINAL_PROBE
 from train.mixture import data_lineage_sha256, describe
 from train.parallel import full_state_dict
@@ -43,7 +43,8 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
     info = None
     if trainer.ctx.is_main:
         config = trainer.config
-        final = Path(config.output_dir) / FINAL_DIR
+        run_dir = trainer.run_dir
+        final = run_dir.local / FINAL_DIR
         final.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(final / FINAL_MODEL))
         save_file({"tokens": probe_tokens, "logits": probe}, str(final / FINAL_PROBE))
@@ -60,8 +61,11 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
             "resumed_from": trainer.resumed_from,
             "last_checkpoint": trainer.checkpointer.last_committed if trainer.checkpointer else None,
         }
-        (final / FINAL_INFO).write_text(json.dumps(info, indent=2))
-        plot_loss_curves(config.output_dir)
+        plot_loss_curves(run_dir.local)
+        trainer.metrics.publish()
+        run_dir.upload(PLOT_FILE)
+        # final.json last, listing the other files with their sha256: export reads a run as finished by it.
+        info = run_dir.publish_dir(FINAL_DIR, FINAL_INFO, info)
     return info
 
 

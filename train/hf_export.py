@@ -10,12 +10,12 @@ The export is built with ``transformers`` itself (``GPT2LMHeadModel.save_pretrai
 ``PreTrainedTokenizerFast.save_pretrained``, ``GenerationConfig``), so the files are what its loaders expect,
 and the converted model must reproduce our model's logits on a probe before anything is written. Written:
 ``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json`` + ``tokenizer_config.json``
-(+ special tokens), and ``lineage.json`` (the raylm export's, with ``"format": "hf"`` added).
+(+ special tokens), and ``lineage.json`` (the raylm export's, with ``"format": "hf"`` added, written by
+``train.export``).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +117,10 @@ def max_logit_difference(model: GPT, hf: Any, tokens: torch.Tensor) -> float:
     return float((ours.float() - theirs.float()).abs().max())
 
 
-def export_hf(model: GPT, tokenizer_path: Path, lineage: dict[str, Any], out: Path, probe: torch.Tensor) -> Path:
-    """Write the Hugging Face directory for ``model``; ``probe`` (1, T) token ids on which the converted model
-    must reproduce our logits before anything is written."""
+def export_hf(model: GPT, tokenizer_path: Path, out: Path, probe: torch.Tensor) -> dict[str, Any]:
+    """Write the Hugging Face directory for ``model`` into ``out``; ``probe`` (1, T) token ids on which the converted
+    model must reproduce our logits before anything is written. Returns what the export's lineage.json adds for
+    this format (``train.export`` writes it, last)."""
     transformers = _require_transformers()
     from tokenizers import Tokenizer
 
@@ -143,7 +144,4 @@ def export_hf(model: GPT, tokenizer_path: Path, lineage: dict[str, Any], out: Pa
     transformers.GenerationConfig(
         bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id, max_length=model.config.block_size
     ).save_pretrained(str(out))
-    (out / "lineage.json").write_text(
-        json.dumps({**lineage, "format": "hf", "hf_probe_max_abs_logit_diff": diff}, indent=2)
-    )
-    return out
+    return {"format": "hf", "hf_probe_max_abs_logit_diff": diff}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -18,7 +17,7 @@ from train.config import TrainConfig
 from train.curves import summarize
 from train.guard import TrainingDiverged
 from train.parallel import ReplicaMismatch
-from train.preflight import check_checkpoints, check_data, check_extras, check_resources
+from train.preflight import check_checkpoints, check_data, check_extras, check_locations, check_output, check_resources
 from train.progress import RunProgress
 from train.trainer import StepCallback
 from train.worker import CALLBACK_KEY, CONFIG_KEY, train_loop_per_worker
@@ -37,6 +36,23 @@ def ray_checkpoint_config(config: TrainConfig, has_val: bool) -> CheckpointConfi
     )
 
 
+def ray_scaling_config(config: TrainConfig) -> ScalingConfig:
+    """A fixed group of ``parallel.workers``, or with ``parallel.min_workers`` an elastic one: Ray Train starts
+    with as many workers as fit (at least min_workers), restarts on the workers left after a node is lost (the
+    trainer keeps the global batch by accumulating more micro-batches), and grows back when room appears, checked
+    every ``elastic_resize_interval_s``."""
+    p = config.parallel
+    resources = {"CPU": p.cpus_per_worker} | ({"GPU": 1} if p.use_gpu else {})
+    if p.min_workers is None:
+        return ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources)
+    return ScalingConfig(
+        num_workers=(p.min_workers, p.workers),
+        use_gpu=p.use_gpu,
+        resources_per_worker=resources,
+        elastic_resize_monitor_interval_s=p.elastic_resize_interval_s,
+    )
+
+
 def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCallback | None = None) -> dict[str, Any]:
     """Check the data and the cluster, run training on Ray, return the loss-curve summary.
 
@@ -44,12 +60,9 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     to the workers inside TorchTrainer's train_loop_config, so it must be picklable.
     """
     check_extras(config)
+    output = check_locations(config)  # absolute paths or URIs: the workers may start elsewhere
     manifest = check_data(config)  # also fills model.vocab_size
-    output = Path(config.output_dir).resolve()
-    config.output_dir = str(output)
-    config.data_dir = str(Path(config.data_dir).resolve())
-    for source in config.data.mixture:  # the workers may start in another directory
-        source.path = str(Path(source.path).resolve())
+    check_output(output)
 
     if not ray.is_initialized():
         # Local Ray by default. On a cluster, submit with `ray job submit --working-dir .` (see
@@ -58,20 +71,20 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     check_resources(config, ray.cluster_resources())
 
     check_checkpoints(config, output)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    # The driver writes config.yaml and summary.json into the run dir itself; the ranks write the rest
+    # (train.run_dir: rank 0 uploads it when the run dir is in object storage).
+    output.join("config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     p = config.parallel
-    resources = {"CPU": p.cpus_per_worker} | ({"GPU": 1} if p.use_gpu else {})
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={CONFIG_KEY: config.to_dict(), CALLBACK_KEY: on_step_end},
         # Every collective's timeout: a rank that never joins one fails its peers after this long.
         torch_config=TorchConfig(timeout_s=p.collective_timeout_s),
-        scaling_config=ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources),
+        scaling_config=ray_scaling_config(config),
         # Ray Train's run dir is storage_path/name: the run dir itself (checkpoints next to metrics.jsonl)
         # unless checkpoint.storage names other storage, such as an S3 prefix.
         run_config=RunConfig(
-            storage_path=storage_path(config.checkpoint.storage, output),
+            storage_path=storage_path(config.checkpoint.storage, output.uri),
             name=output.name,
             checkpoint_config=ray_checkpoint_config(config, has_val=bool(manifest.split("val"))),
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
@@ -89,7 +102,7 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
             if isinstance(cause, TrainingDiverged | ReplicaMismatch):
                 raise cause from exc
         raise
-    summary = summarize(output)
-    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = summarize(output.uri)
+    output.join("summary.json").write_text(json.dumps(summary, indent=2))
     log.info("run dir %s", output)
     return summary

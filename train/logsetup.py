@@ -16,7 +16,7 @@ import logging
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-PACKAGES = ("train", "checkpoints", "serve", "cluster", "pipeline")
+PACKAGES = ("train", "checkpoints", "serve", "cluster", "pipeline", "ground")
 _MARK = "_raylm_handler"  # set on our handler, so a second call does not add another
 
 

@@ -2,18 +2,25 @@
 
 The trainer relies only on ``manifest.json``: the tokenizer entry, the token dtype and the shard
 list. Everything here is checked on the driver before any Ray worker starts.
+
+The data dir is a local path or an object-storage URI (``s3://bucket/prefix``, ``gs://…``), read through
+``ground.storage.Location``. Shard sizes are checked against one listing per shard directory, so nothing is
+downloaded here; a shard in object storage is fetched into the node's cache at its first read
+(``train.data.WindowIndex``), verified against the sha256 this manifest gives for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
+import pyarrow.fs as pafs
+
+from ground.cache import fetch_verified
+from ground.storage import Location
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -24,17 +31,26 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    path: Path  # absolute
+    location: Location  # the shard file: an absolute local path or an object-storage URI
     split: str
     tokens: int
     sha256: str | None = None  # of the shard file; None in manifests written before the pipeline recorded it
 
+    @property
+    def is_remote(self) -> bool:
+        return self.location.is_remote
+
+    @property
+    def path(self) -> Path:
+        """The local file of a local shard (a remote one is read through the node's cache: ``train.data``)."""
+        return self.location.local()
+
 
 @dataclass(frozen=True)
 class Manifest:
-    root: Path
+    root: Location
     sha256: str  # of manifest.json itself: the lineage id of the data a model was trained on
-    tokenizer_path: Path
+    tokenizer: Location
     tokenizer_sha256: str | None
     vocab_size: int
     eot_id: int
@@ -44,38 +60,42 @@ class Manifest:
     def split(self, name: str) -> list[Shard]:
         return [s for s in self.shards if s.split == name]
 
-
-def sha256_file(path: str | Path) -> str:
-    """The one file hash of the project: data manifests, checkpoints, exports and the pipeline's outputs."""
-    with open(path, "rb") as fh:
-        return sha256_stream(fh)
-
-
-def sha256_stream(stream: BinaryIO, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 of what ``stream`` reads to its end, 1 MiB at a time (a local file, or a pyarrow stream);
-    ``on_bytes`` is told each chunk's size (a progress bar)."""
-    digest = hashlib.sha256()
-    for chunk in iter(lambda: stream.read(1 << 20), b""):
-        digest.update(chunk)
-        if on_bytes is not None:
-            on_bytes(len(chunk))
-    return digest.hexdigest()
+    def tokenizer_file(self) -> Path:
+        """The tokenizer as a local file: the file itself for local data; for data in object storage, this
+        node's cached copy, checked against the manifest's sha256 as it downloads (``ground.cache``)."""
+        if not self.tokenizer.is_remote:
+            return self.tokenizer.local()
+        assert self.tokenizer_sha256 is not None  # load_manifest requires it for data in object storage
+        return fetch_verified(self.tokenizer, self.tokenizer_sha256)
 
 
 def load_manifest(data_dir: str | Path) -> Manifest:
-    root = Path(data_dir).resolve()
-    path = root / "manifest.json"
-    if not root.is_dir():
-        raise DataError(f"data dir {root} does not exist")
-    if not path.is_file():
-        raise DataError(f"{root} has no manifest.json: is it a pipeline output directory (python -m pipeline run)?")
+    """The manifest of a pipeline output dir (a local path or a URI), checked against the files' sizes.
+    An unsupported URI scheme is a ``ground.storage.StorageError``; everything else a ``DataError``, naming
+    the directory or file."""
+    root = Location(data_dir)
+    path = root.join("manifest.json")
     try:
-        raw = json.loads(path.read_text())
+        if not path.is_file():
+            if not root.is_dir():
+                raise DataError(f"data dir {root} does not exist{_missing_bucket(root)}")
+            raise DataError(
+                f"{root} has no manifest.json: is it a pipeline output directory (python -m pipeline run)?"
+            )
+        raw_bytes = path.read_bytes()
+    except OSError as exc:  # object storage: no access, unreachable
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    try:
+        raw = json.loads(raw_bytes)
         tok = raw["tokenizer"]
         dtype_name = raw["dtype"]
         shard_entries = raw["shards"]
         vocab_size, eot_id = int(tok["vocab_size"]), int(tok["eot_id"])
-        tokenizer_path = root / tok["path"]
+        tokenizer = root.join(tok["path"])
+        shards = [
+            Shard(location=root.join(e["path"]), split=e["split"], tokens=int(e["tokens"]), sha256=e.get("sha256"))
+            for e in shard_entries
+        ]
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path} is malformed (missing or bad field: {exc})") from exc
     if dtype_name not in DTYPES:
@@ -83,27 +103,54 @@ def load_manifest(data_dir: str | Path) -> Manifest:
     dtype = np.dtype(DTYPES[dtype_name]).newbyteorder("<")
     if vocab_size > np.iinfo(dtype).max + 1:
         raise DataError(f"{path}: vocab_size {vocab_size} does not fit in dtype {dtype_name}")
-    shards = []
-    for entry in shard_entries:
-        shard = Shard(
-            path=root / entry["path"], split=entry["split"], tokens=int(entry["tokens"]), sha256=entry.get("sha256")
-        )
-        if not shard.path.is_file():
+    if root.is_remote:
+        # The node cache is content-addressed and checks every download: it needs each file's hash.
+        unhashed = [str(s.location) for s in shards if s.sha256 is None]
+        unhashed += [] if tok.get("sha256") else [str(tokenizer)]
+        if unhashed:
+            raise DataError(
+                f"{path}: data in object storage needs the sha256 of every shard and of the tokenizer, and the "
+                f"manifest has none for {', '.join(unhashed[:3])}{' and more' if len(unhashed) > 3 else ''} "
+                "(written before the pipeline recorded them: run the pipeline again)"
+            )
+    sizes = _listed_sizes(shards)
+    for entry, shard in zip(shard_entries, shards, strict=True):
+        size = sizes.get(shard.location.path)
+        if size is None:
             raise DataError(f"{path}: shard {entry['path']} is listed but missing")
         expected = shard.tokens * dtype.itemsize
-        if shard.path.stat().st_size != expected:
+        if size != expected:
             raise DataError(
-                f"{shard.path}: {shard.path.stat().st_size} bytes on disk, manifest says {shard.tokens} tokens "
-                f"of {dtype_name} = {expected} bytes"
+                f"{shard.location}: {size} bytes {'in storage' if shard.is_remote else 'on disk'}, manifest says "
+                f"{shard.tokens} tokens of {dtype_name} = {expected} bytes"
             )
-        shards.append(shard)
     return Manifest(
         root=root,
-        sha256=sha256_file(path),
-        tokenizer_path=tokenizer_path,
+        sha256=hashlib.sha256(raw_bytes).hexdigest(),
+        tokenizer=tokenizer,
         tokenizer_sha256=tok.get("sha256"),
         vocab_size=vocab_size,
         eot_id=eot_id,
         dtype=dtype,
         shards=tuple(shards),
     )
+
+
+def _listed_sizes(shards: list[Shard]) -> dict[str, int]:
+    """Size of every file in the shards' directories, by filesystem path: one listing per directory (a
+    bucket answers a thousand keys per request) rather than one request per shard."""
+    sizes = {}
+    for directory in dict.fromkeys(shard.location.parent for shard in shards):
+        selector = pafs.FileSelector(directory.path, allow_not_found=True)
+        for info in directory.fs.get_file_info(selector):
+            if info.type == pafs.FileType.File:
+                sizes[info.path] = int(info.size)
+    return sizes
+
+
+def _missing_bucket(root: Location) -> str:
+    """A note for a data dir in object storage whose bucket itself is missing (or hidden from these credentials)."""
+    if not root.is_remote:
+        return ""
+    bucket = Location("/".join(root.uri.split("/")[:3]))  # scheme://bucket
+    return "" if bucket.exists() else f": no bucket {bucket.name} (or no access to it)"

@@ -1,5 +1,6 @@
-"""Where step metrics go: ``metrics.jsonl`` in the run dir (rank 0), Ray Train's reporting (every
-rank, since ``ray.train.report`` is a barrier), and Weights & Biases when enabled and installed."""
+"""Where step metrics go: ``metrics.jsonl`` in the run dir (rank 0; published to a run dir in object storage at
+reports and checkpoints, ``train.run_dir``), Ray Train's reporting (every rank, since ``ray.train.report`` is a
+barrier), and Weights & Biases when enabled and installed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ground.storage import Location
 from train.config import TrainConfig
+from train.run_dir import RunDir
 
 METRICS_FILE = "metrics.jsonl"
 # Where a logged step record goes besides the file: ray.train.report on a Ray Train worker.
@@ -26,36 +29,63 @@ def _json_safe(value: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, config: TrainConfig, is_main: bool, reporter: Reporter | None = None, append: bool = False):
-        """``append``: a resumed run keeps the records written so far (see ``truncate_from``)."""
+    def __init__(
+        self,
+        config: TrainConfig,
+        is_main: bool,
+        reporter: Reporter | None = None,
+        append: bool = False,
+        run_dir: RunDir | None = None,
+    ) -> None:
+        """``append``: a resumed run keeps the records written so far (see ``truncate_from``). ``run_dir``: where
+        the file is written and published (default: ``config.output_dir``'s, ``train.run_dir``)."""
         self.is_main = is_main
         self.reporter = reporter
-        self.path = Path(config.output_dir) / METRICS_FILE
+        self.run_dir = run_dir or RunDir(config.output_dir)
+        self.path = self.run_dir.local / METRICS_FILE
+        self._unpublished = False
         self._wandb = None
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # A new run starts a new file; a resumed one keeps it.
+            # A new run starts a new file; a resumed one keeps it: the run dir's copy, which a run resumed on
+            # another node has never seen (the run dir is the record; this node's copy may be stale or absent).
+            if append and self.run_dir.location.is_remote:
+                self.run_dir.download(METRICS_FILE)
             if not append or not self.path.exists():
                 self.path.write_text("")
+                self._unpublished = True
             if config.metrics.wandb and importlib.util.find_spec("wandb") is not None:
                 import wandb
 
                 mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
                 self._wandb = wandb.init(
-                    project=config.metrics.wandb_project, dir=config.output_dir, mode=mode, config=config.to_dict()
-                )
+                    project=config.metrics.wandb_project, dir=str(self.run_dir.local), mode=mode,
+                    config=config.to_dict(),
+                )  # fmt: skip
 
     def log(self, record: dict[str, Any], report: bool) -> None:
         """Append ``record`` to metrics.jsonl (rank 0); with ``report``, also hand it to Ray Train,
-        which every rank must do at the same step (``ray.train.report`` is a barrier)."""
+        which every rank must do at the same step (``ray.train.report`` is a barrier). A reported record and
+        one that carries a checkpoint publish the file (see ``publish``)."""
         record = {key: _json_safe(value) for key, value in record.items()}
         if self.is_main:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+            self._unpublished = True
             if self._wandb is not None:
                 self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+            if report or "checkpoints" in record:
+                self.publish()
         if report and self.reporter is not None:
             self.reporter(record)
+
+    def publish(self) -> None:
+        """Upload metrics.jsonl to a run dir in object storage (rank 0; nothing to do for a local one). Done at
+        reports (the driver's progress line reads it) and checkpoints (a resume continues the run dir's copy,
+        so it must hold the records up to any checkpoint), not every step: each upload is the whole file."""
+        if self.is_main and self._unpublished:
+            self.run_dir.upload(METRICS_FILE)
+            self._unpublished = False
 
     def truncate_from(self, step: int) -> None:
         """Drop records of steps >= ``step``: after a resume they are trained again, and the file
@@ -66,12 +96,16 @@ class MetricsLogger:
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
+            self._unpublished = True
 
     def close(self) -> None:
+        """Publish what is not yet in the run dir (a run that stopped early keeps its record), finish W&B."""
+        self.publish()
         if self._wandb is not None:
             self._wandb.finish()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run dir's metrics.jsonl (a local path or a URI)."""
+    text = Location(run_dir).join(METRICS_FILE).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

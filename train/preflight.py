@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ground.cache import CorruptDownload
+from ground.hashing import sha256_file
+from ground.storage import Location, StorageError, check_scheme
 from train.config import TrainConfig
-from train.manifest import DataError, Manifest, sha256_file
+from train.manifest import DataError, Manifest
 from train.mixture import load_sources
 
 
@@ -19,18 +21,39 @@ class PreflightError(ValueError):
     pass
 
 
+def check_locations(config: TrainConfig) -> Location:
+    """The data dirs, the run dir and the checkpoint storage as absolute local paths or checked URIs (the workers
+    may start in another directory, on another machine); returns the run dir. An unsupported scheme (``ftp://``,
+    ``hdfs://``) is refused naming the URI, never taken for a local path."""
+    try:
+        config.data_dir = Location(config.data_dir).uri
+        for source in config.data.mixture:
+            source.path = Location(source.path).uri
+        output = Location(config.output_dir)
+        config.output_dir = output.uri
+        if config.checkpoint.storage:
+            check_scheme(config.checkpoint.storage)
+    except StorageError as exc:
+        raise PreflightError(str(exc)) from exc
+    return output
+
+
 def check_data(config: TrainConfig) -> Manifest:
     """Validate the data dir against the model config; fills ``model.vocab_size`` from the manifest."""
     try:
         # Every source of a mixture exists, satisfies the contract and shares the first one's tokenizer.
         manifest = load_sources(config.data_dir, config.data.mixture)[0].manifest
-    except DataError as exc:
+    except (DataError, StorageError) as exc:
         raise PreflightError(str(exc)) from exc
 
-    tok_path = manifest.tokenizer_path
-    if not tok_path.is_file():
-        raise PreflightError(f"tokenizer {tok_path} named in the manifest does not exist")
-    if manifest.tokenizer_sha256 and sha256_file(tok_path) != manifest.tokenizer_sha256:
+    if not manifest.tokenizer.is_file():
+        raise PreflightError(f"tokenizer {manifest.tokenizer} named in the manifest does not exist")
+    try:
+        tok_path = manifest.tokenizer_file()  # data in object storage: fetched, and checked as it downloads
+    except CorruptDownload as exc:
+        raise PreflightError(f"{exc}: the data was tokenized with another tokenizer") from exc
+    expected = manifest.tokenizer_sha256
+    if not manifest.tokenizer.is_remote and expected and sha256_file(tok_path) != expected:
         raise PreflightError(
             f"{tok_path} does not match the sha256 in the manifest: the data was tokenized with another tokenizer"
         )
@@ -55,7 +78,7 @@ def check_data(config: TrainConfig) -> Manifest:
     need = config.model.block_size + 1
     train = manifest.split("train")
     if not train:
-        raise PreflightError(f"{manifest.root}/manifest.json lists no train shards")
+        raise PreflightError(f"{manifest.root.join('manifest.json')} lists no train shards")
     longest = max(s.tokens for s in train)
     if longest < need:
         raise PreflightError(
@@ -68,17 +91,20 @@ def check_data(config: TrainConfig) -> Manifest:
 
 
 def check_resources(config: TrainConfig, cluster: Mapping[str, float]) -> None:
-    """``cluster`` is ``ray.cluster_resources()``: total CPUs/GPUs known to Ray."""
+    """``cluster`` is ``ray.cluster_resources()``: total CPUs/GPUs known to Ray. An elastic run (``min_workers``)
+    needs room for its smallest group only: it starts with what there is and grows when capacity comes."""
     p = config.parallel
+    workers = config.world_sizes.start
+    name = "workers" if p.min_workers is None else "min_workers"
     if p.use_gpu:
         gpus = int(cluster.get("GPU", 0))
-        if p.workers > gpus:
-            raise PreflightError(f"workers={p.workers} with use_gpu needs {p.workers} GPUs; the Ray cluster has {gpus}")
-    cpus_needed = p.workers * p.cpus_per_worker
+        if workers > gpus:
+            raise PreflightError(f"{name}={workers} with use_gpu needs {workers} GPUs; the Ray cluster has {gpus}")
+    cpus_needed = workers * p.cpus_per_worker
     cpus = int(cluster.get("CPU", 0))
     if cpus_needed > cpus:
         raise PreflightError(
-            f"workers={p.workers} × cpus_per_worker={p.cpus_per_worker} needs {cpus_needed} CPUs; "
+            f"{name}={workers} × cpus_per_worker={p.cpus_per_worker} needs {cpus_needed} CPUs; "
             f"the Ray cluster has {cpus}"
         )
 
@@ -88,15 +114,28 @@ def check_extras(config: TrainConfig) -> None:
         raise PreflightError("metrics.wandb is enabled but the wandb package is not installed")
 
 
-def check_checkpoints(config: TrainConfig, run_dir: Path) -> None:
+def check_output(output: Location) -> None:
+    """A run dir in object storage takes a write, read-back and delete (``checkpoints.store.probe_storage``):
+    a missing bucket or missing credentials fail here, not when rank 0 first uploads, steps into the run."""
+    from checkpoints.store import probe_storage
+
+    if not output.is_remote:
+        return
+    try:
+        probe_storage(output.parent.uri, output.name)
+    except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses, by filesystem and cause
+        raise PreflightError(f"run dir {output} is not writable: {exc}") from exc
+
+
+def check_checkpoints(config: TrainConfig, run_dir: Location) -> None:
     """The checkpoint storage is writable, and a run whose storage already holds checkpoints is continued
     only on request: Ray Train would hand its latest checkpoint to the workers of any new run there (it
     restores its checkpoint manager from storage), so without --resume a fresh run would silently continue
     the old one."""
-    from checkpoints.location import join
     from checkpoints.store import probe_storage, storage_path, stored_checkpoints
+    from ground.storage import join
 
-    storage = storage_path(config.checkpoint.storage, run_dir)
+    storage = storage_path(config.checkpoint.storage, run_dir.uri)
     where = join(storage, run_dir.name)
     try:
         existing = stored_checkpoints(storage, run_dir.name)

@@ -3,9 +3,13 @@
 Ray forwards each worker's output line by line, so a bar drawn on a worker turns into a new line per
 update; the driver owns the terminal. It tails the run dir's ``metrics.jsonl`` (written by rank 0, the
 full record of the run) and shows step/total, loss, val loss, tokens/s and ETA: a rich progress bar on a
-terminal, a log line every ``LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI). On a multi-node
-cluster the file is where rank 0 writes it; without shared storage the driver may not see it, and the
-line stays at the last step it could read (the run itself is unaffected).
+terminal, a log line every ``LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI).
+
+The driver and rank 0 share no filesystem on a cluster, so the run dir is where the driver reads: a bucket
+(``s3://…``) holds rank 0's uploads of the file, made at each Ray report and checkpoint (``train.run_dir``), so
+there the line moves in those steps, polled every ``REMOTE_POLL_S`` seconds with a ranged read of the new bytes.
+A local run dir on a multi-node cluster is rank 0's disk, which the driver may not see: the line then stays at
+the last step it could read. Either way the run itself is unaffected.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ground.storage import Location, StorageError
+from train.metrics import METRICS_FILE
+
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
 POLL_S = 1.0
+REMOTE_POLL_S = 10.0  # rank 0 uploads metrics.jsonl at reports and checkpoints only: polling faster finds nothing
 
 
 def describe(record: dict[str, Any], val_loss: float | None) -> str:
@@ -41,8 +49,9 @@ def describe(record: dict[str, Any], val_loss: float | None) -> str:
 class RunProgress:
     """A background thread that follows ``metrics.jsonl`` until ``stop()``; use as a context manager."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, console: Console | None = None) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir: str | Path | Location, total_steps: int, console: Console | None = None) -> None:
+        self.metrics = Location(run_dir).join(METRICS_FILE)
+        self._poll_s = REMOTE_POLL_S if self.metrics.is_remote else POLL_S
         self.total_steps = total_steps
         self.console = console or Console(stderr=True)
         self._progress = Progress(
@@ -72,19 +81,22 @@ class RunProgress:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self.poll()  # the last records
+        self._poll_quietly()  # the last records
         self._progress.stop()
 
     def poll(self) -> dict[str, Any] | None:
         """Read the records appended since the last poll; returns the newest one (None if none yet)."""
         try:
-            if self.path.stat().st_size < self._offset:  # rewritten (a resume truncates it): read it again
-                self._offset = 0
-            with self.path.open("rb") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-        except FileNotFoundError:
+            size = self.metrics.size()
+        except StorageError:  # not written yet
             return self._last
+        if size < self._offset:  # rewritten (a resume truncates it): read it again
+            self._offset = 0
+        if size == self._offset:
+            return self._last
+        with self.metrics.open_input() as fh:
+            fh.seek(self._offset)
+            chunk = fh.read(size - self._offset)
         complete, _, _ = chunk.rpartition(b"\n")  # a line still being written waits for the next poll
         if not complete:
             return self._last
@@ -113,8 +125,11 @@ class RunProgress:
             log.info("step %d/%d %s ETA %s", record["step"] + 1, self.total_steps, numbers, eta)
 
     def _follow(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                self.poll()
-            except OSError as exc:  # storage the driver cannot read: the run goes on without the line
-                log.debug("progress: cannot read %s: %s", self.path, exc)
+        while not self._stop.wait(self._poll_s):
+            self._poll_quietly()
+
+    def _poll_quietly(self) -> None:
+        try:
+            self.poll()
+        except (OSError, StorageError) as exc:  # storage the driver cannot read: the run goes on without the line
+            log.debug("progress: cannot read %s: %s", self.metrics, exc)

@@ -2,13 +2,14 @@
 
 ``load_manifest`` checks that each shard has the size the manifest says, which catches truncation but not a
 flipped bit on disk, a partial overwrite, or two shards' files exchanged (same sizes): the run would train on
-them silently. ``ShardVerifier`` hashes every shard (``train.manifest.sha256_file``, the project's one file
-hash) in background threads from the moment it is built, so the work overlaps model set-up and the first
+them silently. ``ShardVerifier`` hashes every local shard (``ground.hashing.sha256_file``, the project's one
+file hash) in background threads from the moment it is built, so the work overlaps model set-up and the first
 steps; ``ensure(shard)`` blocks until one shard is verified and raises ``DataError`` naming the shard, the
 manifest's sha256 and the actual one. ``train.data.WindowIndex`` calls it before its first read of a shard,
-so with prefetching the wait lands in the loader's background thread, not the training thread.
+so with prefetching the wait lands in the loader's background thread, not the training thread. A shard in object
+storage never comes here: it is hashed as it downloads into the node's cache (``ground.cache.fetch_verified``).
 
-Verified hashes are cached in a JSON file (the trainer uses ``<output_dir>/.verified_shards.json``) mapping
+Verified hashes are cached in a JSON file (the trainer uses ``.verified_shards.json`` in the run dir) mapping
 each shard's absolute path to ``{size, mtime_ns, sha256}``: a restarted worker skips a shard whose size and
 mtime are unchanged and whose cached hash is the manifest's. Like make and rsync, this trusts that a file
 rewritten in place also gets a new mtime. The file is replaced atomically (unique temp name + ``os.replace``)
@@ -30,7 +31,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-from train.manifest import DataError, Shard, sha256_file
+from ground.hashing import sha256_file
+from train.manifest import DataError, Shard
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +55,7 @@ from train.parallel import (
     local_digest,
     scale_grads,
 )
+from train.run_dir import RunDir
 from train.shard_verify import ShardVerifier
 from train.watchdog import StepWatchdog, exit_worker
 
@@ -71,7 +71,7 @@ class StepInfo:
     step: int  # the step just finished (0-based)
     rank: int
     world_size: int
-    run_dir: str
+    run_dir: str  # where this node's ranks write the run's files: the run dir, or its node-local working dir
     record: dict[str, Any]  # the step's metrics record
     model: nn.Module  # the module this rank trains (DDP/FSDP-wrapped; FSDP parameters are local shards)
 
@@ -130,11 +130,17 @@ class Trainer(Stateful):
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.gpt, config.optimizer)
 
-        self.grad_accum = config.grad_accum_steps
+        # From the world size this group really has: an elastic run restarted on fewer workers accumulates more
+        # micro-batches per step, so the global batch (and with it the step, the LR schedule, the tokens seen) holds.
+        self.grad_accum = config.grad_accum_for(ctx.world_size)
+        # Where this node's ranks write the run's files (the run dir itself, or a node-local working dir for a
+        # run dir in object storage: train.run_dir).
+        self.run_dir = RunDir(config.output_dir)
+        # Local shards only: a shard in object storage is verified as it downloads (WindowIndex.verified_file).
         self.verifier = (
             ShardVerifier(
-                [shard for s in self.sources for shard in s.manifest.shards],
-                Path(config.output_dir) / VERIFIED_SHARDS_CACHE,
+                [shard for s in self.sources for shard in s.manifest.shards if not shard.is_remote],
+                self.run_dir.local / VERIFIED_SHARDS_CACHE,
             )
             if cfg_data.verify_shards
             else None
@@ -154,6 +160,11 @@ class Trainer(Stateful):
         if config.checkpoint.enabled:
             if config.checkpoint.storage and not ray_storage:
                 raise ValueError("checkpoint.storage is Ray Train's storage: it needs a Ray run (python -m train)")
+            if self.run_dir.location.is_remote and not ray_storage:
+                raise ValueError(
+                    f"{config.output_dir}: checkpoints of a run dir in object storage go through Ray Train's "
+                    "storage, which needs a Ray run (python -m train)"
+                )
             store = RayStore(config.checkpoint.async_save) if ray_storage else LocalStore(config.output_dir)
             run_info = {
                 "strategy": cfg_par.strategy,
@@ -165,7 +176,7 @@ class Trainer(Stateful):
             # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
-        self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming)
+        self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming, run_dir=self.run_dir)
         self.telemetry = None
         if config.metrics.prometheus:
             from train.telemetry import TrainTelemetry  # OpenTelemetry and an HTTP server, only when asked
@@ -274,7 +285,7 @@ class Trainer(Stateful):
             self.telemetry.observe_step(record)
         self._progress(f"step {step} done")
         if self.on_step_end is not None:
-            info = StepInfo(step, self.ctx.rank, self.ctx.world_size, self.config.output_dir, record, self.model)
+            info = StepInfo(step, self.ctx.rank, self.ctx.world_size, str(self.run_dir.local), record, self.model)
             self.on_step_end(info)
         return record
 

@@ -2,9 +2,11 @@
 # Run the snippets from the repository root: --working-dir . uploads the checkout, so the job runs this code.
 
 RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"   # the dashboard's job API (`ray dashboard ray_cluster.yaml`)
-# Outputs must live on storage every node can reach (an EFS/NFS mount, or object storage the stage supports):
-# job drivers (on the head node) write them, and training workers on other nodes read them.
-SHARED="${SHARED:-/mnt/shared/raylm}"
+# ROOT: where every stage reads and writes, e.g. s3://my-bucket/raylm (or gs://…). Nodes share no filesystem:
+# job drivers (on the head), pipeline workers, training ranks and serving replicas all reach the bucket, with the
+# credentials of their instance profile (ray_cluster.yaml). A path every node mounts (EFS/NFS) works as well.
+ROOT="${ROOT:?set ROOT to the bucket prefix every stage reads and writes, e.g. ROOT=s3://my-bucket/raylm}"
+ROOT="${ROOT%/}"
 
 # submit NAME [more `ray job submit` options] -- ENTRYPOINT...
 # The entrypoint is passed through as separate words: `ray job submit` shell-quotes it (shlex.join), so a glob

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Stage 3 — serve the exported model with Ray Serve and keep a canary evaluating it.
-#   EVALSET=path/to/evalset.jsonl cluster/jobs/submit_serve.sh
+#   ROOT=s3://my-bucket/raylm EVALSET=path/to/evalset.jsonl cluster/jobs/submit_serve.sh
+# Each replica pulls the export from the bucket into its node's cache, verified, and loads it from there.
 # Then, locally: `ray attach ray_cluster.yaml --port-forward 8000` and
 #   curl -s localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16}'
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-MODEL="${MODEL:-$SHARED/models/gpt-ddp}"
+MODEL="${MODEL:-$ROOT/models/gpt-ddp}"
 EVALSET="${EVALSET:?set EVALSET to the evaluation set file of the canary}"
 PORT="${PORT:-8000}"
 

@@ -15,16 +15,15 @@ When no owner's label changes, every node's label is the lowest key of its compo
 from __future__ import annotations
 
 import time
-import uuid
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ground.storage import Location
 from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, jaccard
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
@@ -216,17 +215,15 @@ class BucketIndex:
                 out[node] = (MINHASH, label)
         return out
 
-    def write_decisions(self, path: str) -> int:
+    def write_decisions(self, path: Location) -> int:
         """Write this shard's decisions as parquet sorted by (source, key), for per-file lookups by workers."""
         rows = sorted(
             ((key.split("\x00")[1], key, stage, kept) for key, (stage, kept) in self.decisions().items()),
         )
         columns = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
         table = pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=DECISION_SCHEMA)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{uuid.uuid4().hex[:8]}")
-        pq.write_table(table, tmp)
-        tmp.replace(path)
+        with path.open_output() as out:
+            pq.write_table(table, out)
         return len(rows)
 
     def get_stats(self) -> dict:

@@ -1,0 +1,120 @@
+"""The pipeline loses a worker node on a real multi-node Ray cluster (tests/multinode.py: a 0-CPU head, worker
+raylets with their own scratch, a moto bucket as the only shared storage, jobs through the Jobs API) and still
+publishes the bytes an undisturbed run publishes:
+
+* during the dedup pass, where the index shards (actors) live in the lost node's memory: the run rebuilds the
+  index from the keys it persisted in the bucket and finishes on its own;
+* during the filter pass, with the job's driver stopped at the same moment: ``--resume`` continues from the state
+  in the bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import REPO, SAMPLE
+from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
+from ray.job_submission import JobStatus
+from remote_servers import upload_dir
+
+pytestmark = pytest.mark.ray
+
+COPIES = 2  # the sample twice: 12 input files, so a pass can be caught part-way
+# The demo config with its files named by absolute path (job drivers run in another directory), and small dedup
+# batches, so the dedup pass sends many batches and lasts long enough to lose a node in it.
+CONFIG = ["--config", str(REPO / "pipeline/configs/demo.yaml"),
+          "--set", f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
+          "--set", f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
+          "fields: [question]}]",
+          "--set", "execution.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
+    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def inputs(cluster: MultiNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("inputs")
+    for copy in range(COPIES):
+        for f in sorted(SAMPLE.iterdir()):
+            (folder / f"{copy}-{f.name}").write_bytes(f.read_bytes())
+    return upload_dir(cluster.s3_endpoint, folder, cluster.bucket.removeprefix("s3://"), "inputs")
+
+
+def pipeline_job(cluster: MultiNodeCluster, inputs: str, output: str, *extra: str) -> str:
+    return cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", output, *CONFIG, *extra))
+
+
+def stored(uri: str) -> dict[str, bytes]:
+    """Every object under ``uri`` but the report (its timings differ run to run), by relative key."""
+    fs, base = pafs.FileSystem.from_uri(uri)
+    out = {}
+    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
+        name = info.path[len(base) + 1:]
+        if info.type == pafs.FileType.File and not name.startswith("report."):
+            with fs.open_input_stream(info.path) as fh:
+                out[name] = fh.read()
+    return out
+
+
+def markers(uri: str, prefix: str) -> set[str]:
+    return {k for k in stored(f"{uri}/.staging/work/done") if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: MultiNodeCluster, inputs: str) -> dict[str, bytes]:
+    uri = f"{cluster.bucket}/out/reference"
+    result = cluster.wait_job(pipeline_job(cluster, inputs, uri), 600)
+    assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
+    files = stored(uri)
+    assert "manifest.json" in files and not any(k.startswith(".staging") for k in files)
+    return files
+
+
+def index_shard_node(cluster: MultiNodeCluster) -> str | None:
+    """The node of a live dedup index shard on a worker, once the dedup pass has made them."""
+    from ray.util.state import list_actors
+
+    workers = {w.node_id for w in cluster.workers}
+    actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
+    return next((a.node_id for a in actors
+                 if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers), None)
+
+
+def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(cluster, inputs, reference):
+    cluster.ensure_workers(2)
+    uri = f"{cluster.bucket}/out/dedup-loss"
+    job = pipeline_job(cluster, inputs, uri)
+    node = wait_for(lambda: index_shard_node(cluster), 300, "the dedup pass's index shards", interval_s=0.05)
+    assert "dedup" not in markers(uri, "dedup"), "the dedup pass ended before a node could be lost in it"
+    cluster.kill_node(cluster.worker_on(node))
+
+    result = cluster.wait_job(job, 600)
+    assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
+    assert "rebuilding the index from the persisted keys" in result.logs
+    assert stored(uri) == reference
+
+
+def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket(cluster, inputs, reference):
+    cluster.ensure_workers(2)
+    uri = f"{cluster.bucket}/out/filter-loss"
+    job = pipeline_job(cluster, inputs, uri)
+    done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
+                    "two files through the filter pass")
+    assert len(done) < COPIES * 6, "the filter pass ended before a node could be lost in it"
+    cluster.kill_node(cluster.workers[0])
+    cluster.jobs.stop_job(job)  # the driver goes at the same moment
+    stopped = cluster.wait_job(job, 120)
+    assert stopped.status in (JobStatus.STOPPED, JobStatus.FAILED)
+    assert "manifest.json" not in stored(uri)  # nothing published
+
+    cluster.ensure_workers(2)
+    resumed = cluster.wait_job(pipeline_job(cluster, inputs, uri, "--resume"), 600)
+    assert resumed.status == JobStatus.SUCCEEDED, resumed.logs[-4000:]
+    assert "(resumed)" in resumed.logs
+    assert stored(uri) == reference
