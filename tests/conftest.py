@@ -7,6 +7,16 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 SAMPLE = REPO / "data" / "sample"
 
+
+def sample_copies(folder: Path, copies: int = 2) -> Path:
+    """``folder`` filled with the sample ``copies`` times (``0-NAME``, ``1-NAME``, ...): enough input files that a
+    run can be caught part-way through a pass."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for copy in range(copies):
+        for f in sorted(SAMPLE.iterdir()):
+            (folder / f"{copy}-{f.name}").write_bytes(f.read_bytes())
+    return folder
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other test helpers
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import REPO, SAMPLE
+from conftest import REPO, sample_copies
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
 
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
@@ -60,12 +59,7 @@ def local_files(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    """Twelve input files (the sample twice), so a run can be caught part-way through its filter pass."""
-    folder = tmp_path_factory.mktemp("inputs")
-    for copy in range(2):
-        for f in sorted(SAMPLE.iterdir()):
-            shutil.copy(f, folder / f"{copy}-{f.name}")
-    return folder
+    return sample_copies(tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ output byte-identical to an uninterrupted run; a resume with another config or i
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SAMPLE
+from conftest import REPO, sample_copies
 
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 
@@ -28,11 +27,7 @@ def output_files(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("inputs")
-    for copy in range(2):
-        for f in sorted(SAMPLE.iterdir()):
-            shutil.copy(f, folder / f"{copy}-{f.name}")
-    return folder
+    return sample_copies(tmp_path_factory.mktemp("inputs"))
 
 
 def test_killed_driver_resumes_to_byte_identical_output(inputs, tmp_path):
