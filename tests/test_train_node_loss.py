@@ -1,8 +1,8 @@
 """Training survives the loss of a node: a real worker node (its raylet and every process on it) is killed mid-run
 on the multi-node test cluster (tests/multinode.py), with checkpoints in its moto bucket.
 
-Runs (tiny model, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into s3://.../runs, one worker
-of 2 CPUs per node, so 2 workers span the 2 worker nodes):
+Runs (tiny model, data in the bucket, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into
+s3://.../runs, one worker of 2 CPUs per node, so 2 workers span the 2 worker nodes):
 - ``reference``: DDP-2, undisturbed (a job).
 - DDP-2 (a job): a node is killed once Ray Train has registered the first checkpoint, and a replacement node
   is added; Ray Train restarts the group from the last checkpoint in the bucket. Same world size: losses and final
@@ -31,6 +31,7 @@ import pytest
 import ray.cloudpickle
 import torch
 from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
+from remote_servers import upload_dir
 from safetensors.torch import load_file
 from train_fixtures import tiny_overrides
 
@@ -60,7 +61,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         yield started
 
 
-def overrides(cluster: MultiNodeCluster, data: Path, run: Path, strategy: str, **extra: Any) -> dict[str, Any]:
+def overrides(cluster: MultiNodeCluster, data: str | Path, run: Path, strategy: str, **extra: Any) -> dict[str, Any]:
     return (
         tiny_overrides(data, run, steps=STEPS)
         | {
@@ -74,7 +75,7 @@ def overrides(cluster: MultiNodeCluster, data: Path, run: Path, strategy: str, *
     )
 
 
-def train_job(cluster: MultiNodeCluster, data: Path, run: Path, strategy: str = "ddp", **extra: Any) -> str:
+def train_job(cluster: MultiNodeCluster, data: str | Path, run: Path, strategy: str = "ddp", **extra: Any) -> str:
     """``python -m train ... --address auto`` submitted through the Jobs API, as a user runs it."""
     args = ["--data", str(data), "--output", str(run), "--address", "auto"]
     for key, value in overrides(cluster, data, run, strategy, **extra).items():
@@ -122,9 +123,16 @@ def kill_after_first_checkpoint(cluster: MultiNodeCluster, run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: MultiNodeCluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def data(cluster: MultiNodeCluster, token_dir: Path) -> str:
+    """The pipeline output in the bucket: the ranks fetch its shards into their own node's cache, verified (no
+    node reads another's files)."""
+    return upload_dir(cluster.s3_endpoint, token_dir, cluster.bucket.removeprefix("s3://"), "data")
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: MultiNodeCluster, data: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("runs") / "reference"
-    finish(cluster, train_job(cluster, token_dir, run))
+    finish(cluster, train_job(cluster, data, run))
     return run
 
 
@@ -145,11 +153,11 @@ def assert_tokens_seen(cluster: MultiNodeCluster, run: Path) -> None:
 
 
 def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwise_equal(
-    cluster: MultiNodeCluster, token_dir: Path, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
 ) -> None:
     cluster.ensure_workers(2)
     run = tmp_path / "ddp_node_lost"
-    job = train_job(cluster, token_dir, run)
+    job = train_job(cluster, data, run)
     done_before = kill_after_first_checkpoint(cluster, run)
     cluster.add_worker()  # the spot fleet replaces the node; the fixed-size group waits for it
     finish(cluster, job)
@@ -164,11 +172,11 @@ def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwi
 
 
 def test_an_elastic_ddp_run_continues_on_the_workers_left_keeping_the_global_batch(
-    cluster: MultiNodeCluster, token_dir: Path, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
 ) -> None:
     cluster.ensure_workers(2)
     run = tmp_path / "ddp_elastic"
-    job = train_job(cluster, token_dir, run, **{"parallel.min_workers": 1})
+    job = train_job(cluster, data, run, **{"parallel.min_workers": 1})
     kill_after_first_checkpoint(cluster, run)
     finish(cluster, job)  # no node comes back
 
@@ -206,14 +214,14 @@ class HoldShrunkGroup:
 
 
 def test_an_elastic_fsdp_run_shrinks_after_a_node_loss_and_grows_back_when_a_node_returns(
-    cluster: MultiNodeCluster, token_dir: Path, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
 ) -> None:
     # launch() from this process, not a job: the test holds the shrunk group with a step callback (a Python
     # object), which the CLI cannot take, so the run cannot end before the replacement node is up.
     cluster.ensure_workers(2)
     run = tmp_path / "fsdp_elastic"
     elastic = {"parallel.min_workers": 1, "parallel.elastic_resize_interval_s": 1}
-    config = load_config(None, overrides(cluster, token_dir, run, "fsdp", **elastic))
+    config = load_config(None, overrides(cluster, data, run, "fsdp", **elastic))
     with ThreadPoolExecutor(1) as pool:
         training = pool.submit(launch, config, on_step_end=HoldShrunkGroup(full_size=2, interval=INTERVAL))
         kill_after_first_checkpoint(cluster, run)

@@ -1,15 +1,22 @@
-"""The pipeline loses a worker node on a real multi-node Ray cluster (tests/multinode.py: a 0-CPU head, worker
-raylets with their own scratch, a moto bucket as the only shared storage, jobs through the Jobs API) and still
-publishes the bytes an undisturbed run publishes:
+"""The data path on a real multi-node Ray cluster (tests/multinode.py: a 0-CPU head, worker raylets with their
+own scratch, a moto bucket as the only shared storage, jobs through the Jobs API), with no path shared between
+nodes.
+
+The pipeline loses a worker node and still publishes the bytes an undisturbed run publishes:
 
 * during the dedup pass, where the index shards (actors) live in the lost node's memory: the run rebuilds the
   index from the keys it persisted in the bucket and finishes on its own;
+* during the filter pass: Ray retries the lost files' tasks on the node left;
 * during the filter pass, with the job's driver stopped at the same moment: ``--resume`` continues from the state
   in the bucket.
+
+Then the whole chain runs from that output through the bucket alone: train (DDP over both worker nodes), export,
+serve (replicas on the workers pull the export into their node's cache) and one streamed completion.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
@@ -18,6 +25,8 @@ from conftest import REPO, SAMPLE, sample_copies
 from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
 from ray.job_submission import JobStatus
 from remote_servers import upload_dir
+
+from train.dist import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -97,9 +106,23 @@ def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(
     assert stored(uri) == reference
 
 
-def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket(cluster, inputs, reference):
+def test_losing_a_node_in_the_filter_pass_retries_its_files_and_changes_nothing(cluster, inputs, reference):
     cluster.ensure_workers(2)
     uri = f"{cluster.bucket}/out/filter-loss"
+    job = pipeline_job(cluster, inputs, uri)
+    done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
+                    "two files through the filter pass")
+    assert len(done) < COPIES * len(list(SAMPLE.iterdir())), "the filter pass ended before a node could be lost in it"
+    cluster.kill_node(cluster.workers[0])  # with the filter tasks running on it
+
+    result = cluster.wait_job(job, 600)
+    assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
+    assert stored(uri) == reference
+
+
+def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket(cluster, inputs, reference):
+    cluster.ensure_workers(2)
+    uri = f"{cluster.bucket}/out/filter-and-driver-loss"
     job = pipeline_job(cluster, inputs, uri)
     done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
                     "two files through the filter pass")
@@ -115,3 +138,30 @@ def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket
     assert resumed.status == JobStatus.SUCCEEDED, resumed.logs[-4000:]
     assert "(resumed)" in resumed.logs
     assert stored(uri) == reference
+
+
+def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, reference):
+    cluster.ensure_workers(2)
+    data, run, model = (f"{cluster.bucket}/{name}" for name in ("out/reference", "runs/chain", "models/chain"))
+    steps = 4
+    train = cluster.wait_job(cluster.submit(python_module(
+        "train", "--data", data, "--output", run, "--strategy", "ddp", "--workers", "2", "--steps", str(steps),
+        "--config", str(REPO / "train/configs/demo.yaml"), "--set", "parallel.cpus_per_worker=2",
+        "--set", "metrics.prometheus=false", "--address", "auto")), 600)
+    assert train.status == JobStatus.SUCCEEDED, train.logs[-4000:]
+    export = cluster.wait_job(cluster.submit(python_module("train.export", "--run", run, "--output", model)), 300)
+    assert export.status == JobStatus.SUCCEEDED, export.logs[-4000:]
+    # One proxy, on the head: the worker nodes share this machine's loopback, so a proxy each would share a port.
+    serve = cluster.wait_job(cluster.submit(python_module(
+        "serve", "--model", model, "--port", str(free_port()), "--proxy-location", "HeadOnly", "--smoke")), 600)
+    assert serve.status == JobStatus.SUCCEEDED, serve.logs[-4000:]
+    assert "--- streamed completion for 'The history of the' ---" in serve.logs
+
+    # Each stage's output is in the bucket, complete; the run trained on every step; every shard a rank read was
+    # fetched into its own node's cache, under its sha256 (no node read another's files).
+    manifest = json.loads(stored(data)["manifest.json"])
+    lines = stored(run)["metrics.jsonl"].decode().splitlines()
+    assert sorted({json.loads(line)["step"] for line in lines if "loss" in json.loads(line)}) == list(range(steps))
+    assert "lineage.json" in stored(model)
+    cached = {p.parent.name for w in cluster.workers for p in w.cache_dir.glob("sha256/*/*.bin")}
+    assert cached and cached <= {s["sha256"] for s in manifest["shards"]}
