@@ -106,14 +106,21 @@ def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(
     assert stored(uri) == reference
 
 
-def test_losing_a_node_in_the_filter_pass_retries_its_files_and_changes_nothing(cluster, inputs, reference):
+def lose_a_node_in_the_filter_pass(cluster: MultiNodeCluster, inputs: str, uri: str) -> str:
+    """Start a pipeline job writing ``uri`` and kill a worker node, with filter tasks on it, once two files are
+    through the filter pass; returns the job's id."""
     cluster.ensure_workers(2)
-    uri = f"{cluster.bucket}/out/filter-loss"
     job = pipeline_job(cluster, inputs, uri)
     done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
                     "two files through the filter pass")
     assert len(done) < COPIES * len(list(SAMPLE.iterdir())), "the filter pass ended before a node could be lost in it"
-    cluster.kill_node(cluster.workers[0])  # with the filter tasks running on it
+    cluster.kill_node(cluster.workers[0])
+    return job
+
+
+def test_losing_a_node_in_the_filter_pass_retries_its_files_and_changes_nothing(cluster, inputs, reference):
+    uri = f"{cluster.bucket}/out/filter-loss"
+    job = lose_a_node_in_the_filter_pass(cluster, inputs, uri)
 
     result = cluster.wait_job(job, 600)
     assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
@@ -121,13 +128,8 @@ def test_losing_a_node_in_the_filter_pass_retries_its_files_and_changes_nothing(
 
 
 def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket(cluster, inputs, reference):
-    cluster.ensure_workers(2)
     uri = f"{cluster.bucket}/out/filter-and-driver-loss"
-    job = pipeline_job(cluster, inputs, uri)
-    done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
-                    "two files through the filter pass")
-    assert len(done) < COPIES * len(list(SAMPLE.iterdir())), "the filter pass ended before a node could be lost in it"
-    cluster.kill_node(cluster.workers[0])
+    job = lose_a_node_in_the_filter_pass(cluster, inputs, uri)
     cluster.jobs.stop_job(job)  # the driver goes at the same moment
     stopped = cluster.wait_job(job, 120)
     assert stopped.status in (JobStatus.STOPPED, JobStatus.FAILED)
