@@ -60,19 +60,16 @@ def fetch_verified(source: Location, sha256: str, cache: Path | None = None) -> 
     with _locked(entry.with_name(entry.name + ".lock")):
         if entry.is_file():  # another process on this node fetched it while we waited
             return entry
-        tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         digest = hashlib.sha256()
-        try:
-            with source.open_input() as src, open(tmp, "wb") as out:
-                for chunk in iter(lambda: src.read(CHUNK), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
+        # Location.open_output renames the file into place only if the block ends without an error: a mismatch
+        # raised inside it leaves nothing in the cache.
+        with source.open_input() as src, Location(entry).open_output() as out:
+            for chunk in iter(lambda: src.read(CHUNK), b""):
+                digest.update(chunk)
+                out.write(chunk)
             if digest.hexdigest() != sha256:
                 raise CorruptDownload(f"{source.uri}: sha256 {digest.hexdigest()} of the bytes fetched, the manifest "
                                       f"says {sha256}")
-            os.replace(tmp, entry)
-        finally:
-            tmp.unlink(missing_ok=True)
     log.info("cached %s (%d bytes) in %s", source.uri, entry.stat().st_size, entry.parent)
     return entry
 
