@@ -37,6 +37,7 @@ class CheckpointConfig(BaseModel):
     # Ray Train FailureConfig(max_failures): how many times a failed worker group (a crashed or hung worker, a node
     # lost) is restarted from the last checkpoint over the whole run; -1: without limit, 0: never. A crash that
     # recurs deterministically uses it up within minutes; a long run on spot capacity may lose more nodes than 3.
+    # A run's own stop verdict (TrainingDiverged, ReplicaMismatch) is not retried: train.stop_verdict.
     max_failures: int = Field(3, ge=-1)
     # Rollback: after this many consecutive bad steps (guard rails), restore the last good checkpoint
     # and skip the data from its position up to and including the bad step (0: never roll back).

@@ -105,3 +105,30 @@ class PoisonWeights:
         with torch.no_grad():
             for p in info.model.parameters():
                 (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))
+
+
+def steps_log(run_dir: Path) -> list[int]:
+    """The steps ``LogSteps`` saw finish, in order."""
+    return [int(line) for line in (Path(run_dir) / "steps.log").read_text().split()]
+
+
+@dataclass(frozen=True)
+class LogSteps:
+    """Rank 0 appends every finished step to ``steps.log`` in its run dir: a step listed twice was trained twice, by
+    a worker group that Ray Train restarted."""
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.rank == 0:
+            with open(Path(info.run_dir) / "steps.log", "a") as log:
+                log.write(f"{info.step}\n")
+
+
+@dataclass(frozen=True)
+class Callbacks:
+    """Several callbacks, called in order."""
+
+    callbacks: tuple
+
+    def __call__(self, info: StepInfo) -> None:
+        for callback in self.callbacks:
+            callback(info)

@@ -33,12 +33,13 @@ import torch
 from ray.train import WorkerGroupError
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
 from safetensors.torch import load_file
-from step_callbacks import HangOnce, KillOnce, fault_marker
+from step_callbacks import Callbacks, HangOnce, KillOnce, LogSteps, PoisonWeights, fault_marker, steps_log
 from train_fixtures import tiny_overrides
 
 from checkpoints.checkpointer import load_into
 from checkpoints.manifest import list_checkpoints, verify
 from train.config import load_config
+from train.guard import TrainingDiverged
 from train.launch import launch
 from train.metrics import read_metrics
 from train.parallel import DistContext
@@ -271,3 +272,16 @@ def test_async_saves_are_logged_with_their_stall(runs: dict[str, Path]) -> None:
     assert all(r["checkpoint_stall_s"] > 0 for r in saves)
     manifest = verify(runs["fsdp_ref"] / "checkpoint_step_000000008")
     assert manifest["async"] is True and manifest["kinds"] == ["periodic", "best", "final"]
+
+
+def test_a_diverged_run_stops_once_and_is_not_restarted(ray_cluster: str, token_dir: Path, tmp_path: Path) -> None:
+    """The guard's verdict is deterministic: restarting from the last checkpoint would only reach it again. With
+    retries allowed (max_failures 3) the run still stops at once, on the driver, as TrainingDiverged."""
+    run = tmp_path / "diverged"
+    config = config_for(token_dir, run, "ddp", 2, **{"checkpoint.max_failures": 3, "guard.max_consecutive_bad": 2})
+    with pytest.raises(TrainingDiverged, match=r"2 consecutive bad steps.*step 4"):
+        launch(config, on_step_end=Callbacks((LogSteps(), PoisonWeights(step=2))))
+    assert steps_log(run) == [0, 1, 2, 3]  # each step trained once (step 4 raised before its callback): no restart
+    stopped = json.loads((run / "stopped.json").read_text())
+    assert stopped["error"] == "TrainingDiverged" and stopped["step"] == 4
+    assert not (run / "final").exists()

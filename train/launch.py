@@ -9,16 +9,15 @@ from typing import Any
 
 import ray
 import yaml
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from checkpoints.store import storage_path
 from train.config import TrainConfig
 from train.curves import summarize
-from train.guard import TrainingDiverged
-from train.parallel import ReplicaMismatch
 from train.preflight import check_checkpoints, check_data, check_extras, check_locations, check_output, check_resources
 from train.progress import RunProgress
+from train.stop_verdict import clear_stop, raise_recorded_stop
 from train.trainer import StepCallback
 from train.worker import CALLBACK_KEY, CONFIG_KEY, train_loop_per_worker
 
@@ -74,6 +73,7 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     # The driver writes config.yaml and summary.json into the run dir itself; the ranks write the rest
     # (train.run_dir: rank 0 uploads it when the run dir is in object storage).
     output.join("config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    clear_stop(output)
     p = config.parallel
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -91,17 +91,9 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
         ),
     )
     progress = RunProgress(output, config.steps) if config.metrics.progress else contextlib.nullcontext()
-    try:
-        with progress:
-            trainer.fit()
-    except WorkerGroupError as exc:
-        # Surface our own stop reasons as themselves (the CLI prints them plainly); anything else
-        # keeps Ray's report with every worker's traceback.
-        for failure in exc.worker_failures.values():
-            cause = getattr(failure, "cause", failure)
-            if isinstance(cause, TrainingDiverged | ReplicaMismatch):
-                raise cause from exc
-        raise
+    with progress:
+        trainer.fit()  # a failure Ray Train gave up on raises its report, with every worker's traceback
+    raise_recorded_stop(output)  # the workers' own verdict, recorded instead of raised: train.stop_verdict
     summary = summarize(output.uri)
     output.join("summary.json").write_text(json.dumps(summary, indent=2))
     log.info("run dir %s", output)

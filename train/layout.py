@@ -8,3 +8,4 @@ FINAL_DIR = "final"  # <run>/final/: what rank 0 writes at the end for train.exp
 FINAL_MODEL = "model.safetensors"  # full, unsharded state dict (plain GPT parameter names)
 FINAL_INFO = "final.json"  # step, model and train config, data manifest sha256, bad steps, resumes, ...
 FINAL_PROBE = "probe.safetensors"  # fixed input tokens and the live model's logits on them
+STOPPED = "stopped.json"  # a run that stopped on its own verdict (diverged, replicas differ): train.stop_verdict

@@ -11,6 +11,7 @@ from train.config import config_from_dict
 from train.final import train_to_completion
 from train.logsetup import setup_logging
 from train.parallel import DistContext
+from train.stop_verdict import STOP_VERDICTS, record_stop
 from train.trainer import Trainer
 
 # Keys of TorchTrainer's train_loop_config (built by train.launch).
@@ -58,4 +59,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trainer = Trainer(
         config, ctx, reporter=ray.train.report, ray_storage=True, on_step_end=loop_config.get(CALLBACK_KEY)
     )
-    train_to_completion(trainer)
+    try:
+        train_to_completion(trainer)
+    except STOP_VERDICTS as verdict:
+        # Every rank reached it together; returning normally keeps Ray Train from retrying it (train.stop_verdict).
+        if ctx.is_main:
+            record_stop(trainer.run_dir.location, verdict, trainer.step)
