@@ -1,8 +1,10 @@
 """Training survives the loss of a node: a real worker node (its raylet and every process on it) is killed mid-run
-on the multi-node test cluster (tests/multinode.py), with checkpoints in its moto bucket.
+on the multi-node test cluster (tests/multinode.py), whose nodes share no directory: the data, the run dir
+(``--output s3://…/runs/NAME``: metrics.jsonl, checkpoints, final/) and everything the test reads back are in its
+moto bucket.
 
-Runs (tiny model, data in the bucket, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into
-s3://.../runs, one worker of 2 CPUs per node, so 2 workers span the 2 worker nodes):
+Runs (tiny model, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into the run dir, one worker of
+2 CPUs per node, so 2 workers span the 2 worker nodes):
 - ``reference``: DDP-2, undisturbed (a job).
 - DDP-2 (a job): a node is killed once Ray Train has registered the first checkpoint, and a replacement node
   is added; Ray Train restarts the group from the last checkpoint in the bucket. Same world size: losses and final
@@ -18,7 +20,6 @@ Every wait is for an event (a checkpoint registered in the bucket, a step in met
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ import ray.cloudpickle
 import torch
 from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
 from remote_servers import upload_dir
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import checkpoint_dir_name
@@ -61,24 +62,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         yield started
 
 
-def overrides(cluster: MultiNodeCluster, data: str | Path, run: Path, strategy: str, **extra: Any) -> dict[str, Any]:
+def run_dir(cluster: MultiNodeCluster, name: str) -> Location:
+    """A run dir in the bucket: what every rank, the driver and this test read and write."""
+    return Location(f"{cluster.bucket}/runs/{name}")
+
+
+def overrides(data: str, run: Location, strategy: str, **extra: Any) -> dict[str, Any]:
     return (
-        tiny_overrides(data, run, steps=STEPS)
+        tiny_overrides(data, run.uri, steps=STEPS)
         | {
             "parallel.strategy": strategy,
             "parallel.workers": 2,
             "parallel.cpus_per_worker": 2,  # a whole worker node each: 2 workers are on 2 nodes
             "checkpoint.interval_steps": INTERVAL,
-            "checkpoint.storage": f"{cluster.bucket}/runs",
         }
         | extra
     )
 
 
-def train_job(cluster: MultiNodeCluster, data: str | Path, run: Path, strategy: str = "ddp", **extra: Any) -> str:
+def train_job(cluster: MultiNodeCluster, data: str, run: Location, strategy: str = "ddp", **extra: Any) -> str:
     """``python -m train ... --address auto`` submitted through the Jobs API, as a user runs it."""
-    args = ["--data", str(data), "--output", str(run), "--address", "auto"]
-    for key, value in overrides(cluster, data, run, strategy, **extra).items():
+    args = ["--data", data, "--output", run.uri, "--address", "auto"]
+    for key, value in overrides(data, run, strategy, **extra).items():
         if key not in ("data_dir", "output_dir"):
             args += ["--set", f"{key}={value}"]
     return cluster.submit(python_module("train", *args))
@@ -89,35 +94,31 @@ def finish(cluster: MultiNodeCluster, job: str) -> None:
     assert done.status.value == "SUCCEEDED", done.logs[-6000:]
 
 
-def stored(cluster: MultiNodeCluster, run: Path) -> Location:
-    """Where Ray Train keeps the run's checkpoints: ``<checkpoint.storage>/<run dir name>``."""
-    return Location(f"{cluster.bucket}/runs/{run.name}")
-
-
-def registered(cluster: MultiNodeCluster, run: Path) -> list[int]:
-    """Steps of the checkpoints Ray Train has registered (its snapshot in the bucket names them): what a restart
+def registered(run: Location) -> list[int]:
+    """Steps of the checkpoints Ray Train has registered (its snapshot in the run dir names them): what a restart
     resumes from."""
-    snapshot = stored(cluster, run).join(RAY_SNAPSHOT)
+    snapshot = run.join(RAY_SNAPSHOT)
     text = snapshot.read_text() if snapshot.is_file() else ""
     return [step for step in range(INTERVAL, STEPS + 1, INTERVAL) if checkpoint_dir_name(step) in text]
 
 
-def records(run: Path) -> list[dict[str, Any]]:
-    return read_metrics(run) if (run / "metrics.jsonl").is_file() else []
+def records(run: Location) -> list[dict[str, Any]]:
+    """metrics.jsonl as rank 0 last uploaded it (at every checkpoint, and at the end)."""
+    return read_metrics(run.uri) if run.join("metrics.jsonl").is_file() else []
 
 
-def final_info(run: Path) -> dict[str, Any]:
-    return json.loads((run / "final" / "final.json").read_text())
+def final_info(run: Location) -> dict[str, Any]:
+    return run.join("final", "final.json").read_json()
 
 
-def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "final" / "model.safetensors"))
+def final_weights(run: Location) -> dict[str, torch.Tensor]:
+    return load_safetensors(run.join("final", "model.safetensors").read_bytes())
 
 
-def kill_after_first_checkpoint(cluster: MultiNodeCluster, run: Path) -> int:
+def kill_after_first_checkpoint(cluster: MultiNodeCluster, run: Location) -> int:
     """Kill a worker node once Ray Train has registered a checkpoint in the bucket; returns the last step done by
-    then (from metrics.jsonl)."""
-    wait_for(lambda: registered(cluster, run), JOB_TIMEOUT_S, f"a registered checkpoint of {run.name}")
+    then (from metrics.jsonl, which rank 0 uploads with every checkpoint)."""
+    wait_for(lambda: registered(run), JOB_TIMEOUT_S, f"a registered checkpoint of {run.name}")
     cluster.kill_node(cluster.workers[0])
     return max((r["step"] for r in records(run)), default=-1)
 
@@ -130,13 +131,13 @@ def data(cluster: MultiNodeCluster, token_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: MultiNodeCluster, data: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("runs") / "reference"
+def reference(cluster: MultiNodeCluster, data: str) -> Location:
+    run = run_dir(cluster, "reference")
     finish(cluster, train_job(cluster, data, run))
     return run
 
 
-def assert_same_schedule_within(run: Path, reference: Path, tolerance: float) -> list[dict[str, Any]]:
+def assert_same_schedule_within(run: Location, reference: Location, tolerance: float) -> list[dict[str, Any]]:
     """One record per step 0..STEPS-1; the same LR and tokens per step as the reference (a pure function of the
     step); losses within ``tolerance``. Returns the run's records."""
     got, ref = records(run), records(reference)
@@ -147,16 +148,16 @@ def assert_same_schedule_within(run: Path, reference: Path, tolerance: float) ->
     return got
 
 
-def assert_tokens_seen(cluster: MultiNodeCluster, run: Path) -> None:
-    last = stored(cluster, run).join(checkpoint_dir_name(STEPS), "checkpoint.json").read_json()
+def assert_tokens_seen(run: Location) -> None:
+    last = run.join(checkpoint_dir_name(STEPS), "checkpoint.json").read_json()
     assert last["step"] == STEPS and last["tokens_seen"] == STEPS * GLOBAL_BATCH * BLOCK
 
 
 def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwise_equal(
-    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Location
 ) -> None:
     cluster.ensure_workers(2)
-    run = tmp_path / "ddp_node_lost"
+    run = run_dir(cluster, "ddp_node_lost")
     job = train_job(cluster, data, run)
     done_before = kill_after_first_checkpoint(cluster, run)
     cluster.add_worker()  # the spot fleet replaces the node; the fixed-size group waits for it
@@ -168,14 +169,14 @@ def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwi
     assert [r["loss"] for r in records(run)] == [r["loss"] for r in records(reference)]  # bitwise
     ours, theirs = final_weights(run), final_weights(reference)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert_tokens_seen(cluster, run)
+    assert_tokens_seen(run)
 
 
 def test_an_elastic_ddp_run_continues_on_the_workers_left_keeping_the_global_batch(
-    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Location
 ) -> None:
     cluster.ensure_workers(2)
-    run = tmp_path / "ddp_elastic"
+    run = run_dir(cluster, "ddp_elastic")
     job = train_job(cluster, data, run, **{"parallel.min_workers": 1})
     kill_after_first_checkpoint(cluster, run)
     finish(cluster, job)  # no node comes back
@@ -187,7 +188,7 @@ def test_an_elastic_ddp_run_continues_on_the_workers_left_keeping_the_global_bat
     assert [(r["world_size"], r["grad_accum"]) for r in got] == (
         [(2, 2)] * resumed["step"] + [(1, 4)] * (STEPS - resumed["step"])
     )
-    assert_tokens_seen(cluster, run)
+    assert_tokens_seen(run)
 
 
 @dataclass
@@ -214,14 +215,14 @@ class HoldShrunkGroup:
 
 
 def test_an_elastic_fsdp_run_shrinks_after_a_node_loss_and_grows_back_when_a_node_returns(
-    cluster: MultiNodeCluster, data: str, reference: Path, tmp_path: Path
+    cluster: MultiNodeCluster, data: str, reference: Location
 ) -> None:
     # launch() from this process, not a job: the test holds the shrunk group with a step callback (a Python
     # object), which the CLI cannot take, so the run cannot end before the replacement node is up.
     cluster.ensure_workers(2)
-    run = tmp_path / "fsdp_elastic"
+    run = run_dir(cluster, "fsdp_elastic")
     elastic = {"parallel.min_workers": 1, "parallel.elastic_resize_interval_s": 1}
-    config = load_config(None, overrides(cluster, data, run, "fsdp", **elastic))
+    config = load_config(None, overrides(data, run, "fsdp", **elastic))
     with ThreadPoolExecutor(1) as pool:
         training = pool.submit(launch, config, on_step_end=HoldShrunkGroup(full_size=2, interval=INTERVAL))
         kill_after_first_checkpoint(cluster, run)
@@ -243,7 +244,7 @@ def test_an_elastic_fsdp_run_shrinks_after_a_node_loss_and_grows_back_when_a_nod
     # The last restart grew the group from a checkpoint the 1-worker group wrote: resharded 1 -> 2.
     [resumed] = final_info(run)["resumed_from"]
     assert (resumed["saved_world_size"], resumed["world_size"], resumed["step"]) == (1, 2, grown_at)
-    assert_tokens_seen(cluster, run)
+    assert_tokens_seen(run)
 
 
 def test_an_elastic_range_must_split_the_global_batch_at_every_world_size() -> None:
