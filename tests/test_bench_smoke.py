@@ -223,3 +223,41 @@ def test_recovery_bench_smoke(tmp_path):
     (run,) = json.loads((tmp_path / "recovery.json").read_text())
     assert run["scenario"] == "fixed" and run["recovery_s"] > 0
     assert 0 <= run["steps_redone"] <= run["steps_done_before_loss"]
+
+
+@pytest.mark.ray
+def test_recovery_pipeline_bench_smoke(tmp_path):
+    # --smoke: 1 round; one scenario (the node holding a dedup index shard lost mid-pass, a replacement added) and
+    # its reference run: a multi-node cluster, two pipeline jobs over the moto bucket, the rebuild timed.
+    results = tmp_path / "recovery-pipeline.json"
+    proc = run_script(str(BENCH / "recovery_pipeline_bench.py"), "--smoke", "--scenarios", "dedup", "--json",
+                      str(results))
+    assert "### Recovery from a lost worker node: pipeline run" in proc.stdout, proc.stdout
+    assert "| dedup | " in proc.stdout and "loss → progress s" in proc.stdout, proc.stdout
+    reference, dedup = json.loads(results.read_text())
+    assert (reference["scenario"], dedup["scenario"]) == ("reference", "dedup")
+    assert reference["rebuilds"] == 0 and reference["files"] == dedup["files"] == 12
+    assert dedup["identical"] is True  # the lost index changes nothing published
+    if not dedup["missed"]:  # the loss landed in the dedup pass (the table says "missed" otherwise)
+        assert dedup["rebuilds"] >= 1 and dedup["units"] == "batches"
+        assert 0 <= dedup["redone"] == dedup["done_before_loss"] <= dedup["batches_per_pass"]
+        assert dedup["executed"] == dedup["done_before_loss"] + dedup["batches_per_pass"] > 0
+        assert dedup["progress_s"] > 0 and dedup["pass_done_s"] > 0
+
+
+@pytest.mark.ray
+def test_recovery_serve_bench_smoke(tmp_path):
+    # --smoke: 1 round: python -m serve with 2 replicas on the multi-node cluster, steady streamed and non-streamed
+    # load, a replica's worker node killed with requests in flight on it, a replacement node 5 s later.
+    proc = run_script(str(BENCH / "recovery_serve_bench.py"), "--smoke", "--json", str(tmp_path / "serve.json"))
+    out = proc.stdout
+    assert "### Serving through a lost worker node" in out and "| metric | median (min-max) |" in out, out
+    assert "| 2 replicas serving again (replacement's first token), s | " in out, out
+    (run,) = json.loads((tmp_path / "serve.json").read_text())
+    assert len({run["victim"], run["survivor"], run["replacement"]}) == 3
+    assert run["requests"] == run["requests_ok"] + run["failed"] and run["failed"] >= 1
+    assert run["failed"] == run["failed_streams"] + run["failed_plain"] and run["unanswered"] == 0
+    assert len(run["error_latencies_s"]) <= run["failed"] and all(s >= 0 for s in run["error_latencies_s"])
+    assert 0 < run["failed_share"] < 1 and 0 <= run["chunks_lost"] <= run["chunks_streamed"]
+    assert 0 < run["first_token_after_loss_s"] <= run["resumed_s"]
+    assert run["node_added_s"] <= run["running_again_s"] and run["node_added_s"] <= run["serving_again_s"]
