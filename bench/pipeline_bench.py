@@ -510,7 +510,8 @@ def _minhash_config(threshold: float, verify: str | None):
 
 def bench_minhash(bases: list[str], n_docs: int, threshold: float, rounds: int) -> dict:
     from pipeline.dedup_eval import pair_metrics, planted_set
-    from pipeline.steps.dedup import DedupConfig, DedupKeys, deduplicate
+    from pipeline.steps.dedup import DedupConfig, DedupKeys
+    from pipeline.steps.dedup_index import deduplicate
 
     ngram = DedupConfig().minhash.ngram
     docs = planted_set(bases, n_docs, seed=PLANTED_SEED)

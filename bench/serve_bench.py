@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/serve_bench.py` from anywhere
 
-from train.dist import free_port  # noqa: E402
+from ground.dist import free_port  # noqa: E402
 
 
 @dataclass

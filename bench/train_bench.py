@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from sample_data import add_data_args, training_data  # noqa: E402
 
+from ground.dist import free_port  # noqa: E402
 from train.config import load_config  # noqa: E402
-from train.dist import free_port  # noqa: E402
 from train.manifest import load_manifest  # noqa: E402
 from train.memory import state_bytes  # noqa: E402
 from train.model import GPT, GPTConfig  # noqa: E402

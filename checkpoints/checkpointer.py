@@ -44,7 +44,7 @@ from checkpoints.manifest import (
 )
 from checkpoints.rng import rng_key
 from checkpoints.store import Candidate, LocalStore, RayStore
-from train.dist import DistContext
+from ground.dist import DistContext
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.gpus import GPUSpec, lookup_gpu
 from cluster.model_shape import gpt_param_count
+from ground.gpus import GPUSpec, lookup_gpu
+from ground.overrides import apply_overrides, read_yaml
 from train.config import Strategy
-from train.overrides import apply_overrides, read_yaml
 
 Precision = Literal["bf16", "fp16"]
 FsdpSharding = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]

@@ -17,11 +17,11 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from cluster.gpus import GPUS
 from cluster.job_spec import JobSpec, load_job_spec
 from cluster.planner import Plan, SizedModelPlan, build_plan
-from train.logsetup import setup_logging
-from train.overrides import ConfigError, parse_set, validation_problems
+from ground.gpus import GPUS
+from ground.logsetup import setup_logging
+from ground.overrides import ConfigError, parse_set, validation_problems
 
 EXAMPLE = """\
 example job spec (see cluster/jobs/plan_*.yaml):

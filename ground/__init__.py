@@ -1,1 +1,2 @@
-"""The ground floor: plumbing every stage shares (storage URIs and the local cache, hashing), importing no stage."""
+"""The ground floor: plumbing every stage shares (storage, cache, hashing, config overrides, logging, the process
+group view, metrics plumbing, the GPU table), importing no stage. See ground/README.md."""

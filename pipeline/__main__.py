@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from rich.console import Console
+
+from ground.logsetup import setup_logging
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,23 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(console: Console) -> None:
-    """Rich log lines on a terminal; plain, unwrapped lines when stderr is a file or a pipe (CI, ray job logs)."""
-    if console.is_terminal:
-        from rich.logging import RichHandler
-
-        handler: logging.Handler = RichHandler(console=console, show_path=False)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
-    _setup_logging(console)
+    setup_logging(console=console)
     from ground.storage import StorageError
     from pipeline.errors import PipelineInputError, PipelineOutputError
 
@@ -182,10 +170,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    from ground.overrides import ConfigError, parse_set
     from pipeline.config import load_config
     from pipeline.errors import PipelineInputError
     from pipeline.executor import PipelineRun
-    from train.overrides import ConfigError, parse_set
 
     try:
         overrides = parse_set(args.set)

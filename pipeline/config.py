@@ -59,7 +59,7 @@ class PipelineConfig(BaseModel):
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
     """The YAML file (optional) with ``--set section.key=value`` overrides, validated; errors name the key."""
-    from train.overrides import ConfigError, load
+    from ground.overrides import ConfigError, load
 
     try:
         return load(PipelineConfig, path, overrides, source=str(path) if path is not None else "config")

@@ -30,6 +30,7 @@ import ray
 from rich.console import Console
 from tokenizers import Tokenizer
 
+from ground.formats import EOT
 from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
@@ -42,7 +43,7 @@ from pipeline.staging import RunPaths, RunStaging
 from pipeline.steps.decontaminate import build_index
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.quality_classifier import describe_model
-from pipeline.steps.tokenize import EOT, load_tokenizer, token_dtype, tokenizer_from_json
+from pipeline.steps.tokenize import load_tokenizer, token_dtype, tokenizer_from_json
 from pipeline.steps.url_filter import load_blocklist
 
 log = logging.getLogger("pipeline")

@@ -34,7 +34,8 @@ from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths
 from pipeline.steps.base import Doc, Step, is_dropped
 from pipeline.steps.decontaminate import ContaminationIndex, Decontaminate
-from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch, shard_part
+from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch
+from pipeline.steps.dedup_index import shard_part
 from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
 from pipeline.steps.language import LanguageFilter
 from pipeline.steps.pii import MaskPii

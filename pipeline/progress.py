@@ -15,21 +15,22 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ground.logsetup import PROGRESS_LOG_EVERY_S
+
 log = logging.getLogger("pipeline")
 
-
-LOG_EVERY_S = 30.0  # where there is no terminal (ray job logs, CI), a progress line this often
 
 
 class PassProgress:
     """One pass: ``advance(files, bytes)`` as work units finish; rates are over this invocation's work.
 
-    On a terminal a rich progress bar; elsewhere a log line every ``LOG_EVERY_S`` seconds with the same numbers.
+    On a terminal a rich progress bar; elsewhere a log line every ``log_every_s`` seconds, same numbers.
     """
 
     def __init__(self, console: Console, name: str, total_units: int, total_bytes: int, done_units: int = 0,
-                 done_bytes: int = 0, unit: str = "files") -> None:
+                 done_bytes: int = 0, unit: str = "files", log_every_s: float = PROGRESS_LOG_EVERY_S) -> None:
         self.name = name
+        self.log_every_s = log_every_s
         self.unit = unit
         self.total_bytes = total_bytes
         self.bytes = done_bytes
@@ -65,7 +66,7 @@ class PassProgress:
         rate = f"{self._new_bytes / 1e6 / elapsed:.2f} MB/s" if self.total_bytes else ""
         self._progress.update(self._task, advance=units, rate=rate)
         now = time.perf_counter()
-        if self._log_lines and now - self._last_log >= LOG_EVERY_S:
+        if self._log_lines and now - self._last_log >= self.log_every_s:
             self._last_log = now
             task = self._progress.tasks[0]
             eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"

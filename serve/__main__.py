@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from ground.logsetup import setup_logging
+from ground.overrides import ConfigError, apply_overrides, build, parse_set
 from serve.config import (
     DEFAULT_AUTOSCALING,
     DEFAULT_CANARY_INTERVAL_S,
@@ -28,8 +30,6 @@ from serve.config import (
     DEFAULT_SD_DIR,
     AppArgs,
 )
-from train.logsetup import setup_logging
-from train.overrides import ConfigError, apply_overrides, build, parse_set
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

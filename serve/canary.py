@@ -40,7 +40,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from ray import serve
 
-from cluster.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
+from ground.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
 from serve.config import DEFAULT_CANARY_INTERVAL_S
 from serve.evalset import EvalSet, EvalSetError, build_evalset, load_evalset
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.scrape_targets import DEFAULT_SD_DIR
+from ground.scrape_targets import DEFAULT_SD_DIR
 
 # Sequences decoded together per replica: the KV cache holds this many slots.
 DEFAULT_MAX_BATCH_SIZE = 8

@@ -2,7 +2,7 @@
 
 Why this route: OTel's Prometheus exporter has no multiprocessing support and every Ray Serve replica is its
 own process, so each replica gets its own MeterProvider and ``prometheus_client`` registry
-(``cluster.otel_meter``) and its own HTTP scrape port (0 = any free port). Prometheus finds
+(``ground.otel_meter``) and its own HTTP scrape port (0 = any free port). Prometheus finds
 the replicas through file-based service discovery: each replica writes
 ``<sd_dir>/raylm-serve-<replica>.json`` naming its ``host:port`` and removes it on shutdown, so
 autoscaled replicas appear and disappear without config changes. Ray's own metrics pipeline
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from cluster.otel_meter import prometheus_meter
-from cluster.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
+from ground.otel_meter import prometheus_meter
+from ground.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
 
 log = logging.getLogger(__name__)
 

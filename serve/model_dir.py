@@ -24,8 +24,8 @@ import pyarrow.fs as pafs
 from tokenizers import Tokenizer
 
 from ground.cache import fetch_published
+from ground.formats import EOT
 from ground.storage import Location, StorageError
-from pipeline.steps.tokenize import EOT
 from train.export import LINEAGE, load_exported
 from train.model import GPT
 

@@ -42,7 +42,7 @@ from ray.cluster_utils import Cluster
 from ray.job_submission import JobStatus, JobSubmissionClient
 from remote_servers import FAKE_KEY_ID, FAKE_SECRET, make_bucket, moto_server
 
-from train.dist import free_port
+from ground.dist import free_port
 
 T = TypeVar("T")
 

@@ -25,10 +25,10 @@ import pytest
 import requests
 import yaml
 
-from train.dist import free_port
+from ground.dist import free_port
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
-CONFIG_SD_DIR = "/tmp/raylm/prom_sd"  # the sd dir prometheus.yml names (cluster.scrape_targets' default)
+CONFIG_SD_DIR = "/tmp/raylm/prom_sd"  # the sd dir prometheus.yml names (ground.scrape_targets' default)
 
 
 def find_binary(name: str) -> str:

@@ -24,7 +24,7 @@ from ccnet import load_ccnet_texts
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from train.dist import free_port
+from ground.dist import free_port
 from train.model import GPT, GPTConfig
 
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}
@@ -57,7 +57,7 @@ def train_model(tokenizer: Tokenizer, docs: list[str], steps: int = 150, batch: 
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    from pipeline.steps.tokenize import EOT
+    from ground.formats import EOT
 
     torch.manual_seed(seed)
     eot = tokenizer.token_to_id(EOT)

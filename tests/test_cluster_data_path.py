@@ -26,7 +26,7 @@ from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_f
 from ray.job_submission import JobStatus
 from remote_servers import upload_dir
 
-from train.dist import free_port
+from ground.dist import free_port
 
 pytestmark = pytest.mark.ray
 

@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO
 
 from cluster.trainer_memory import predict_trainer_state_bytes
-from train.dist import free_port
+from ground.dist import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 RUNTIME_ENV = REPO / "cluster" / "jobs" / "runtime_env.yaml"

@@ -26,12 +26,12 @@ import yaml
 from pydantic import ValidationError
 
 from cluster import checkpointing, flops, memory, scaling
-from cluster.gpus import GPUS, lookup_gpu
 from cluster.job_spec import JobSpec, load_job_spec
 from cluster.model_shape import gpt_param_count
 from cluster.plan import main
 from cluster.planner import build_plan
 from cluster.trainer_memory import predict_trainer_state_bytes
+from ground.gpus import GPUS, lookup_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "cluster" / "jobs"
@@ -418,7 +418,7 @@ def test_unreliable_cluster_is_reported_not_divided_by_zero(capsys: pytest.Captu
     ],
 )
 def test_cuda_device_names_resolve_to_one_gpu_table(device_name, expected):
-    from cluster.gpus import match_cuda_device
+    from ground.gpus import match_cuda_device
     from train.flops import lookup_peak_flops
 
     spec = match_cuda_device(device_name)

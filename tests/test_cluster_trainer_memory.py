@@ -21,8 +21,8 @@ from torch import nn
 
 from cluster.model_shape import gpt_block_param_count, gpt_param_count, gpt_param_shapes
 from cluster.trainer_memory import predict_trainer_state_bytes
+from ground.dist import free_port
 from train.config import OptimizerConfig
-from train.dist import free_port
 from train.memory import state_bytes
 from train.model import GPT, GPTConfig
 from train.optim import build_optimizer

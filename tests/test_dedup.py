@@ -11,11 +11,11 @@ from pipeline.steps.dedup import (
     MINHASH,
     DedupConfig,
     DedupKeys,
-    deduplicate,
     jaccard,
     normalise,
     shingle_hashes,
 )
+from pipeline.steps.dedup_index import deduplicate
 
 BOILERPLATE = (
     "\nShare this page on social media. Subscribe to our newsletter for weekly updates. "

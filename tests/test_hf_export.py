@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 from train_fixtures import load_documents, tiny_overrides
 
-from pipeline.steps.tokenize import EOT
+from ground.formats import EOT
 from train.config import load_config
 from train.export import load_final
 from train.final import train_to_completion

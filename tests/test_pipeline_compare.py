@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import SAMPLE
 
+from ground.formats import EOT
 from ground.hashing import sha256_file
 from ground.storage import Location
 from pipeline.__main__ import main
@@ -24,7 +25,7 @@ from pipeline.output import PieceWriter, pack_shard
 from pipeline.report import EXACT_LENGTHS, KeptTokenStats, StageAccounting, render_markdown, stage_rows
 from pipeline.steps.extract import read_wet
 from pipeline.steps.language import LanguageFilter
-from pipeline.steps.tokenize import EOT, TokenizeConfig, TokenizeDocs, token_dtype, train_tokenizer
+from pipeline.steps.tokenize import TokenizeConfig, TokenizeDocs, token_dtype, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""cluster/scrape_targets.py: local file_sd targets without Ray, and the cluster registry actor with it.
+"""ground/scrape_targets.py: local file_sd targets without Ray, and the cluster registry actor with it.
 
 The registry tests start one local Ray cluster for the module and create the registry first, with a 2 s lease,
 so that a killed registrant is pruned within seconds; every registrant then gets that registry by name.
@@ -20,7 +20,7 @@ import requests
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_helpers import wait_for
 
-from cluster.scrape_targets import (
+from ground.scrape_targets import (
     REGISTRY_NAME,
     REGISTRY_NAMESPACE,
     ScrapeEndpoint,
@@ -66,7 +66,7 @@ def test_without_ray_the_process_writes_and_removes_its_own_file(tmp_path: Path)
 
 def test_cluster_module_imports_without_ray() -> None:
     # The serving config and the trainer import it: Ray (seconds to import) must stay out until it is used.
-    code = "import sys, cluster.scrape_targets; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, ground.scrape_targets; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
 
 

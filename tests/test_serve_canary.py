@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from serve_fixtures import split_documents
 
+from ground.dist import free_port
 from serve.canary import Canary, main
 from serve.evalset import EvalSetError, build_evalset, load_evalset
-from train.dist import free_port
 
 
 @pytest.fixture

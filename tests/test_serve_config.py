@@ -12,10 +12,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from ground.overrides import ConfigError
 from serve import config as serve_defaults
 from serve.__main__ import app_args, parse_args
 from serve.config import AppArgs
-from train.overrides import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

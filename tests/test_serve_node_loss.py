@@ -50,9 +50,9 @@ import requests
 from multinode import MultiNodeCluster, NodeHandle, multinode_cluster, python_module, wait_for
 from serve_fixtures import split_documents
 
+from ground.dist import free_port
 from ground.storage import Location
 from serve.evalset import build_evalset
-from train.dist import free_port
 from train.export import LINEAGE
 from train.run_dir import publish_files
 

@@ -25,9 +25,9 @@ import requests
 from prometheus_helpers import DASHBOARDS, query, ray_metrics_target, running_prometheus, scalar, wait_for
 from serve_fixtures import running_app, split_documents
 
+from ground.dist import free_port
 from serve.canary import main as canary_main
 from serve.model_dir import load_model_dir
-from train.dist import free_port
 
 pytestmark = pytest.mark.ray
 

@@ -35,13 +35,13 @@ from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import checkpoint_names
 from ground.cache import CACHE_ENV, CorruptDownload
+from ground.dist import free_port
 from ground.storage import Location
 from serve.__main__ import main as serve_main
 from serve.app import build_app
 from serve.model_dir import ModelDirError, load_model_dir
 from train.__main__ import main as train_main
 from train.config import load_config
-from train.dist import free_port
 from train.export import export
 from train.export import main as export_main
 from train.launch import launch

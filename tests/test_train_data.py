@@ -484,7 +484,7 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:
 
 
 def test_set_overrides_parse_and_validate_like_the_file(tmp_path: Path) -> None:
-    """``python -m train --set`` goes through train.overrides (shared with serve and cluster.plan):
+    """``python -m train --set`` goes through ground.overrides (shared with serve and cluster.plan):
     YAML-typed values, later flags win, unknown keys and bad values are errors naming the key."""
     args = parse_args(
         ["--data", "d", "--output", "o", "--strategy", "ddp", "--workers", "2",

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import list_checkpoints, verify
+from ground.dist import free_port
 from train.config import TrainConfig, load_config
-from train.dist import free_port
 from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import StepInfo, Trainer

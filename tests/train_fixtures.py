@@ -28,7 +28,8 @@ def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Pat
     """Every ``val_every``-th document goes to the val split (about 14k of 75k characters), the rest to train."""
     # Imported here, not at the top: conftest loads this module for every session, and tests of other
     # stages must not depend on the tokenize step.
-    from pipeline.steps.tokenize import EOT, TokenizeConfig, train_tokenizer
+    from ground.formats import EOT
+    from pipeline.steps.tokenize import TokenizeConfig, train_tokenizer
 
     docs = load_documents()
     val_docs = [d for i, d in enumerate(docs) if i % val_every == 1]

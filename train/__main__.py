@@ -8,11 +8,11 @@ import os
 import sys
 from typing import Any
 
+from ground.logsetup import setup_logging
+from ground.overrides import parse_set
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
-from train.logsetup import setup_logging
 from train.mixture import parse_mixture
-from train.overrides import parse_set
 from train.parallel import ReplicaMismatch
 from train.preflight import PreflightError
 

@@ -2,7 +2,7 @@
 
 Loaded from YAML with unknown keys rejected (a typo like ``warmup_step`` must fail, not silently
 train with the default) and values type-checked. CLI flags and ``--set section.key=value`` override
-the file (``train.overrides``, shared with the other CLIs).
+the file (``ground.overrides``, shared with the other CLIs).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from checkpoints.config import CheckpointConfig
-from cluster.scrape_targets import DEFAULT_SD_DIR
+from ground.overrides import ConfigError, build, load
+from ground.scrape_targets import DEFAULT_SD_DIR
 from train.model import GPTConfig
-from train.overrides import ConfigError, build, load
 
 # The parallelism strategies, declared once: the CLI's choices, the launcher, the planner's memory
 # prediction and the cluster job spec all read this.

@@ -27,9 +27,9 @@ from safetensors.torch import load_file, save_file
 
 from ground.cache import fetch_published
 from ground.hashing import sha256_file
+from ground.logsetup import setup_logging
 from ground.storage import Location, StorageError
 from train.layout import FINAL_DIR, FINAL_INFO, FINAL_MODEL, FINAL_PROBE
-from train.logsetup import setup_logging
 from train.manifest import DataError, load_manifest
 from train.model import GPT, GPTConfig
 from train.run_dir import publish_files

@@ -6,7 +6,7 @@ appendix B; the same estimate nanoGPT uses): 6N for the matmuls against N parame
 sequence length T. MFU = achieved model FLOP/s / (peak FLOP/s per device × devices).
 
 Peak dense (non-sparse) tensor-core throughput per GPU comes from the project's one GPU table,
-``cluster/gpus.py`` (NVIDIA datasheets, cited there): bf16 for ``precision: bf16`` runs and TF32 for fp32
+``ground/gpus.py`` (NVIDIA datasheets, cited there): bf16 for ``precision: bf16`` runs and TF32 for fp32
 runs. A GPU whose peak no datasheet gives (AWS's A10G) reports no MFU unless
 ``metrics.peak_flops_per_device`` is set, rather than a guessed one.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.gpus import match_cuda_device
+from ground.gpus import match_cuda_device
 from train.model import GPT
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pipeline.steps.tokenize import EOT
+from ground.formats import EOT
 from train.model import GPT
 
 # Same bound as the export's fp32 probe check: a renaming must not change the function beyond float rounding.

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ground.dist import DistContext
 from train.config import Precision, Strategy
-from train.dist import DistContext
 from train.model import GPT
 
 

@@ -3,7 +3,7 @@
 Ray forwards each worker's output line by line, so a bar drawn on a worker turns into a new line per
 update; the driver owns the terminal. It tails the run dir's ``metrics.jsonl`` (written by rank 0, the
 full record of the run) and shows step/total, loss, val loss, tokens/s and ETA: a rich progress bar on a
-terminal, a log line every ``LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI).
+terminal, a log line every ``PROGRESS_LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI).
 
 The driver and rank 0 share no filesystem on a cluster, so the run dir is where the driver reads: a bucket
 (``s3://…``) holds rank 0's uploads of the file, made at each Ray report and checkpoint (``train.run_dir``), so
@@ -24,12 +24,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ground.logsetup import PROGRESS_LOG_EVERY_S
 from ground.storage import Location, StorageError
 from train.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
-LOG_EVERY_S = 30.0
 POLL_S = 1.0
 REMOTE_POLL_S = 10.0  # rank 0 uploads metrics.jsonl at reports and checkpoints only: polling faster finds nothing
 
@@ -118,7 +118,7 @@ class RunProgress:
         numbers = describe(record, self._val_loss)
         self._progress.update(self._task, completed=record["step"] + 1, numbers=numbers)
         now = time.monotonic()
-        if not self.console.is_terminal and now - self._last_log >= LOG_EVERY_S:
+        if not self.console.is_terminal and now - self._last_log >= PROGRESS_LOG_EVERY_S:
             self._last_log = now
             task = self._progress.tasks[0]
             eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"

@@ -3,7 +3,7 @@
 The same route as serving (``serve/metrics.py``): OpenTelemetry's Prometheus exporter has no multiprocess
 mode and every rank is its own process (a Ray Train worker), so each rank gets its own MeterProvider, its own
 ``prometheus_client`` registry and its own scrape port (0 = any free port), served by
-``cluster.scrape_targets.ScrapeEndpoint``, which also publishes the file_sd target
+``ground.scrape_targets.ScrapeEndpoint``, which also publishes the file_sd target
 ``<sd_dir>/raylm-train-<run id>-rank<rank>.json`` that ``dashboards/prometheus.yml``'s ``raylm-train`` job
 reads: on a Ray Train worker through the cluster's registry actor, which writes it on the head node (so a
 head-node Prometheus sees the ranks of every node); in the in-process trainer as a local file. The file name
@@ -62,8 +62,8 @@ from typing import Any
 from opentelemetry.metrics import Counter, Meter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from cluster.otel_meter import prometheus_meter
-from cluster.scrape_targets import ScrapeEndpoint, safe_name
+from ground.otel_meter import prometheus_meter
+from ground.scrape_targets import ScrapeEndpoint, safe_name
 from train.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from ground.logsetup import setup_logging
 from train.config import config_from_dict
 from train.final import train_to_completion
-from train.logsetup import setup_logging
 from train.parallel import DistContext
 from train.stop_verdict import STOP_VERDICTS, record_stop
 from train.trainer import Trainer

@@ -24,7 +24,6 @@ behaviour (``NGramsDecontFilter``) and loses little, since a contaminated page i
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ground.hashing import sha256_file
 from pipeline.errors import PipelineInputError
 from pipeline.steps.base import Doc, Step, drop
 from pipeline.steps.dedup import ngram_hashes, normalise
@@ -163,20 +163,12 @@ def _items_of(spec: EvalSetConfig, path: Path) -> Iterator[str]:
                     yield v
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def load_eval_set(spec: EvalSetConfig, config: DecontaminationConfig) -> EvalSetIndex:
     """Hash one eval set's items; a missing or unreadable file is an error naming it."""
     path = Path(spec.path)
     if not path.is_file():
         raise PipelineInputError(f"{spec.path}: eval set {spec.name!r} not found (decontamination.eval_sets)")
-    index = EvalSetIndex(spec.name, spec.path, _sha256(path))
+    index = EvalSetIndex(spec.name, spec.path, sha256_file(path))
     hashes: dict[int, list[np.ndarray]] = {}
     min_words = config.min_item_words
     try:

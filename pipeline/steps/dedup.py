@@ -202,24 +202,6 @@ class MarkDuplicates(Step):
                 drop(doc, stage, reason, duplicate_of=record_id_of(kept))
 
 
-def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]:
-    """Both dedup stages over an in-memory list, through the same index shards the Ray executor runs."""
-    from pipeline.steps.dedup_index import BucketIndex, InProcess, resolve_clusters
-
-    config = config or DedupConfig()
-    keys = DedupKeys(config)
-    shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
-    alive = [d for d in docs if d.get("reason") is None]
-    if alive:
-        exact, sigs, shingle_sets = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
-        batch = keyed_batch(config, [doc_key(d) for d in alive], list(exact), np.stack(sigs), list(shingle_sets))
-        for shard in shards:
-            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
-    resolve_clusters(shards, InProcess())
-    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
-    return MarkDuplicates(decisions)(docs)
-
-
 def keyed_batch(config: DedupConfig, doc_keys: list[str], exact_keys: list[bytes], signatures: np.ndarray,
                 shingle_sets: list[np.ndarray | None]) -> dict:
     """What the index shards need of a batch of documents, given what the config enables: exact keys, LSH band
@@ -236,19 +218,3 @@ def keyed_batch(config: DedupConfig, doc_keys: list[str], exact_keys: list[bytes
         "band_keys": DedupKeys(config).band_keys(signatures) if mh.enabled else None,
         "sketches": sketches,
     }
-
-
-def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
-    """The part of a keyed batch one index shard receives: exact keys by hash, LSH bands by band index."""
-    from pipeline.steps.dedup_index import owner_of
-
-    doc_keys = batch["doc_keys"]
-    exact = []
-    if batch["exact_keys"] is not None:
-        exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
-                 if owner_of(e, num_shards) == shard_id]
-    band_keys = batch["band_keys"]
-    bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
-    if not bands:
-        return {"exact": exact, "doc_keys": [], "band_keys": None, "sketches": None}
-    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": batch["sketches"]}

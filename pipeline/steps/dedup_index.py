@@ -1,7 +1,7 @@
 """The dedup index: bucket shards that verify LSH candidates and find clusters among themselves.
 
 A :class:`BucketIndex` is a plain class: the executor runs ``num_index_actors`` of them as Ray actors, and
-:func:`~pipeline.steps.dedup.deduplicate` runs the same shards in-process, so tests, bench and executor share
+:func:`deduplicate` runs the same shards in-process, so tests, bench and executor share
 one code path. Exact keys are spread over the shards by hash and LSH bands by band index.
 
 Clusters are the connected components of the edges all shards found. Rather than gathering every edge on one
@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ground.storage import Location
-from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, jaccard
+from pipeline.steps.base import Doc
+from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, DedupKeys, MarkDuplicates, doc_key, jaccard, keyed_batch
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -273,3 +274,33 @@ def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
                 break
             answers = parts("answer", [(kind,)] * n)
             calls.get(calls.each(shards, "refresh", [(kind, *[answers[j][i] for j in range(n)]) for i in range(n)]))
+
+
+def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
+    """The part of a keyed batch one index shard receives: exact keys by hash, LSH bands by band index."""
+    doc_keys = batch["doc_keys"]
+    exact = []
+    if batch["exact_keys"] is not None:
+        exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
+                 if owner_of(e, num_shards) == shard_id]
+    band_keys = batch["band_keys"]
+    bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
+    if not bands:
+        return {"exact": exact, "doc_keys": [], "band_keys": None, "sketches": None}
+    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": batch["sketches"]}
+
+
+def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]:
+    """Both dedup stages over an in-memory list, through the same index shards the Ray executor runs."""
+    config = config or DedupConfig()
+    keys = DedupKeys(config)
+    shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
+    alive = [d for d in docs if d.get("reason") is None]
+    if alive:
+        exact, sigs, shingle_sets = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
+        batch = keyed_batch(config, [doc_key(d) for d in alive], list(exact), np.stack(sigs), list(shingle_sets))
+        for shard in shards:
+            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
+    resolve_clusters(shards, InProcess())
+    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
+    return MarkDuplicates(decisions)(docs)

@@ -31,9 +31,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ground.hashing import sha256_file
 from pipeline.errors import PipelineInputError
 from pipeline.steps.base import Doc, Step, drop
-from pipeline.steps.decontaminate import _JSONL_SUFFIXES, _open_text, _sha256
+from pipeline.steps.decontaminate import _JSONL_SUFFIXES, _open_text
 from pipeline.steps.language import normalise_for_lid
 
 STAGE = "classifier"
@@ -79,7 +80,7 @@ def describe_model(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise PipelineInputError(f"{path}: quality classifier model not found (classifier.model)")
-    return {"path": path, "sha256": _sha256(file), "bytes": file.stat().st_size}
+    return {"path": path, "sha256": sha256_file(file), "bytes": file.stat().st_size}
 
 
 def load_classifier(path: str, sha256: str | None = None) -> Any:
@@ -239,10 +240,10 @@ def train_classifier(positive: str | Path, negative: str | Path, output: str | P
         scores = hq_scores(model, [t for _, t in heldout])
         correct = sum((s >= 0.5) == (lab == HQ) for (lab, _), s in zip(heldout, scores, strict=True))
     meta = {
-        "model": {"path": output.name, "sha256": _sha256(output), "bytes": output.stat().st_size},
+        "model": {"path": output.name, "sha256": sha256_file(output), "bytes": output.stat().st_size},
         "training_files": {
-            "positive": {"path": str(positive), "sha256": _sha256(Path(positive))},
-            "negative": {"path": str(negative), "sha256": _sha256(Path(negative))},
+            "positive": {"path": str(positive), "sha256": sha256_file(Path(positive))},
+            "negative": {"path": str(negative), "sha256": sha256_file(Path(negative))},
         },
         "counts": {
             "train": {"hq": sum(lab == HQ for lab, _ in train), "lq": sum(lab == LQ for lab, _ in train)},

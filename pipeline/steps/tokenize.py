@@ -11,9 +11,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ground.formats import EOT
 from pipeline.steps.base import Doc, Step
-
-EOT = "<|endoftext|>"
 
 
 class TokenizeConfig(BaseModel):

@@ -1,7 +1,7 @@
 """One process's OpenTelemetry meter, exported into its own ``prometheus_client`` registry.
 
 Serving replicas and training ranks each build one (OTel's Prometheus exporter has no multiprocess mode, so
-every process has its own provider, registry and scrape port); ``cluster.scrape_targets.ScrapeEndpoint``
+every process has its own provider, registry and scrape port); ``ground.scrape_targets.ScrapeEndpoint``
 serves the registry. A module of its own, not part of ``scrape_targets``: that one must stay light to import
 (the serving config imports it), and the OTel SDK is not.
 """

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PACKAGES = ("train", "checkpoints", "serve", "cluster", "pipeline", "ground")
+# Where there is no terminal (ray job logs, CI), a long job logs a progress line this often (pipeline, train).
+PROGRESS_LOG_EVERY_S = 30.0
 _MARK = "_raylm_handler"  # set on our handler, so a second call does not add another
 
 
-def _handler() -> logging.Handler:
+def _handler(console: Console | None) -> logging.Handler:
     handler: logging.Handler
-    if sys.stderr.isatty():
+    if console.is_terminal if console is not None else sys.stderr.isatty():
         from rich.logging import RichHandler  # imported only for terminals; it renders time and level itself
 
-        handler = RichHandler(show_path=False)
+        handler = RichHandler(console=console, show_path=False)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
@@ -34,16 +40,17 @@ def _handler() -> logging.Handler:
     return handler
 
 
-def setup_logging(level: int = logging.INFO, propagate: bool = True) -> None:
+def setup_logging(level: int = logging.INFO, propagate: bool = True, console: Console | None = None) -> None:
     """Log our packages' records at ``level`` and above to stderr (idempotent: once per process).
 
     ``propagate=False`` where the root logger already writes to the same stream: Ray worker processes
-    install a root handler, and every record would reach the driver twice."""
+    install a root handler, and every record would reach the driver twice. ``console``: the rich console a
+    live progress bar draws on, so that log lines print above the bar instead of through it."""
     handler = None
     for name in PACKAGES:
         logger = logging.getLogger(name)
         logger.setLevel(level)
         logger.propagate = propagate
         if not any(getattr(h, _MARK, False) for h in logger.handlers):
-            handler = handler or _handler()  # one handler object shared by the packages
+            handler = handler or _handler(console)  # one handler object shared by the packages
             logger.addHandler(handler)
