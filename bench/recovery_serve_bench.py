@@ -77,8 +77,8 @@ from test_serve_node_loss import (  # noqa: E402
     running_replicas,
 )
 
+from ground.dist import free_port  # noqa: E402
 from ground.storage import Location  # noqa: E402
-from train.dist import free_port  # noqa: E402
 from train.export import LINEAGE  # noqa: E402
 from train.run_dir import publish_files  # noqa: E402
 
