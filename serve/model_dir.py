@@ -1,6 +1,6 @@
 """The serving input: an export directory written by ``python -m train.export``, local or in object storage.
 
-Reads exactly DESIGN.md's export layout (model.safetensors + config.json through train.export's own
+Reads exactly docs/formats.md's export layout (model.safetensors + config.json through train.export's own
 loader, tokenizer.json, lineage.json) and derives the two labels every metric carries: the model name
 and a lineage id. The lineage id is a short hash of lineage.json, so two exports of different runs (or
 of the same run at different steps) never share a label, while re-deploying the same export does.

@@ -3,7 +3,7 @@
 Validation uses the installed Ray: ray/autoscaler/ray-schema.json through jsonschema (what `ray up` checks),
 then prepare_config (merges the AWS defaults as `ray up` does) and validate_config (head type, worker
 bounds). The snippets are checked for shell syntax, for using only flags `ray job submit --help` lists,
-for running the DESIGN.md commands, and their runtime env is packaged with Ray's own packaging code to
+for running the docs/formats.md commands, and their runtime env is packaged with Ray's own packaging code to
 prove the excludes keep the upload small.
 """
 
@@ -94,7 +94,7 @@ def test_setup_installs_the_project_with_matching_versions(config: dict) -> None
 # ---------------------------------------------------------------- job snippets
 
 SNIPPETS = sorted(JOBS.glob("submit_*.sh"))
-# The commands DESIGN.md fixes for each stage.
+# The commands docs/formats.md fixes for each stage.
 DESIGN_COMMANDS = {
     "submit_pipeline.sh": ["python -m pipeline run --input", "--output"],
     "submit_train.sh": ["python -m train --data", "--strategy", "--workers", "--steps", "python -m train.export --run"],

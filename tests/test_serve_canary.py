@@ -18,7 +18,7 @@ from serve.evalset import EvalSetError, build_evalset, load_evalset
 
 @pytest.fixture
 def pipeline_dir(tmp_path: Path) -> Path:
-    """A pipeline output dir as DESIGN.md describes it: documents/val-*.parquet with a text column."""
+    """A pipeline output dir as docs/formats.md describes it: documents/val-*.parquet with a text column."""
     _, held_out = split_documents()
     (tmp_path / "documents").mkdir()
     pq.write_table(pa.table({"text": held_out[:2]}), tmp_path / "documents" / "val-00000.parquet")

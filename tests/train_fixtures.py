@@ -1,6 +1,6 @@
 """A small pipeline-format data dir for the train tests, built from real Common Crawl text.
 
-Follows DESIGN.md's "Pipeline output directory" contract exactly: a byte-level BPE tokenizer.json,
+Follows docs/formats.md's "Pipeline output directory" contract exactly: a byte-level BPE tokenizer.json,
 uint16 little-endian token shards with each document followed by eot, and manifest.json.
 """
 

@@ -224,10 +224,6 @@ class TrainBatches:
             self.seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum, len(self.windows)
         )
 
-    def source_of(self, window: int) -> str:
-        """The name of the source a window id belongs to."""
-        return self.sources[int(np.searchsorted(np.cumsum(self.sizes), window, side="right"))].name
-
     def position(self, step: int) -> dict[str, Any]:
         """Where in the data a step is: enough to find the exact sequences again (bad-step reports)."""
         global_batch = self.micro_batch_size * self.grad_accum * self.world_size

@@ -1,7 +1,7 @@
 """python -m train.export --run DIR [--output DIR] [--format raylm|hf]: the consolidated model for serving.
 
 Reads ``<run>/final/`` (written by rank 0 at the end of training: full unsharded state dict, model
-and train config, a probe of the live model's logits) and writes DESIGN.md's export layout:
+and train config, a probe of the live model's logits) and writes docs/formats.md's export layout:
 ``model.safetensors``, ``config.json`` (GPTConfig), ``tokenizer.json`` (copied from the data dir,
 checked against the manifest's sha256) and ``lineage.json``, written last, which lists every other file with
 its size and sha256. Before writing, the rebuilt model must reproduce the probe logits: proof that

@@ -1,4 +1,5 @@
-"""Names in a training run dir that the trainer writes and other modules read (DESIGN.md, "Training run").
+"""Names in a training run dir that the trainer writes and other modules read (docs/formats.md, "Training run
+directory").
 
 Deliberately free of imports: ``train.export`` (hence every serving replica) needs these names without
 importing the trainer, torch.distributed.checkpoint or matplotlib.

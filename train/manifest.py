@@ -1,4 +1,4 @@
-"""Reading the pipeline's output contract (DESIGN.md, "Pipeline output directory").
+"""Reading the pipeline's output contract (docs/formats.md, "Pipeline output directory").
 
 The trainer relies only on ``manifest.json``: the tokenizer entry, the token dtype and the shard
 list. Everything here is checked on the driver before any Ray worker starts.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage 1 — data: Common Crawl WET shards -> filtered, deduplicated, tokenised shards (DESIGN.md, "Pipeline
+# Stage 1 — data: Common Crawl WET shards -> filtered, deduplicated, tokenised shards (docs/formats.md, "Pipeline
 # output directory"). Run from the repository root with the dashboard forwarded (`ray dashboard ray_cluster.yaml`).
 #   ROOT=s3://my-bucket/raylm INPUT='s3://commoncrawl/crawl-data/.../*.warc.wet.gz' \
 #     cluster/jobs/submit_pipeline.sh [--config pipeline.yaml] [--resume]
