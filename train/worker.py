@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -19,24 +18,6 @@ CONFIG_KEY = "config"  # TrainConfig.to_dict()
 CALLBACK_KEY = "on_step_end"  # a picklable StepCallback, or None
 
 
-def quiet_ray_train_reports() -> None:
-    """Silence Ray Train's INFO line per ``ray.train.report`` and per checkpoint on this worker ("Reporting
-    training result N: TrainingReport(...)" from every rank): the driver's progress line and metrics.jsonl
-    carry the same numbers once. Warnings and errors still pass. The loggers are private to Ray Train
-    (one is named after its module's file path), so they are found by module, and a Ray version without
-    them is left alone."""
-    import importlib
-
-    for module in ("ray.train.v2._internal.execution.context", "ray.train.v2._internal.execution.storage"):
-        try:
-            loaded = importlib.import_module(module)
-        except ImportError:
-            continue
-        logger = getattr(loaded, "logger", None)
-        if isinstance(logger, logging.Logger):
-            logger.setLevel(logging.WARNING)
-
-
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker (the process group is already initialised)."""
     import ray.train
@@ -46,8 +27,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # stderr to the driver, so INFO records on stderr reach the user's terminal.
     setup_logging(propagate=False)
     config = config_from_dict(loop_config[CONFIG_KEY])
-    if not config.metrics.ray_train_logs:
-        quiet_ray_train_reports()
     # One intra-op thread per allotted CPU: on a shared CPU box more threads than cores only thrash,
     # and a fixed thread count keeps CPU reductions reproducible.
     torch.set_num_threads(config.parallel.cpus_per_worker)
