@@ -31,10 +31,56 @@ def local_ray():
     ray.shutdown()
 
 
+GSM8K_TEST = REPO / "data" / "eval-sets" / "gsm8k-test.jsonl"
+# Planted personal data and a secret, one of each type the PII stage masks (the secret is the AWS documentation's
+# example key id; the phone number is one libphonenumber takes as valid).
+PLANTED_PII = {
+    "email": "jane.doe@example.org",
+    "ip_address": "203.0.113.42",
+    "phone": "+1 415 555 2671",
+    "secret": "AKIAIOSFODNN7EXAMPLE",
+}
+
+
+# A page written for this test (a page of the sample would be kept only once: the planted copy is a near duplicate).
+GARDEN_NOTICE = (
+    "The community garden on Elm Street will open for the new season on the first Saturday of April. Every "
+    "resident of the neighbourhood is welcome to rent a raised bed for the year, and the fee has not changed "
+    "since last spring. Beds are given out in the order that requests arrive, so please send yours early if you "
+    "would like a sunny spot near the south fence.\n\n"
+    "Volunteers meet every Sunday morning to repair the paths, turn the compost and water the shared herb beds. "
+    "No experience is needed, and the tools are kept in the green shed beside the gate. Children are welcome "
+    "when they come with an adult, and there is a small corner where they can plant beans and sunflowers of "
+    "their own.\n\n"
+    "This year we also plan a seed exchange in May and a harvest supper at the end of September, when members "
+    "bring a dish made from something they grew. If you have ideas for workshops, or would like to teach one, "
+    "the committee would be glad to hear from you at the next open meeting in the library."
+)
+
+
 @pytest.fixture(scope="module")
-def sample_run(tmp_path_factory):
+def sample_inputs(tmp_path_factory, ccnet_texts):
+    """The sample, plus one WET file of two planted pages that pass every filter before the data-safety stages:
+    one quotes a GSM8K test question (decontamination must drop it), one carries an email, an IP address, a phone
+    number and a secret (PII must keep it, masked). On the sample alone both stages find nothing, so their
+    checks would hold at zero with the stages switched off."""
+    inputs = tmp_path_factory.mktemp("inputs")
+    for f in SAMPLE.iterdir():
+        (inputs / f.name).write_bytes(f.read_bytes())
+    passing = QualityFilter()([{"text": t} for t in ccnet_texts if len(t.split()) >= 150])
+    first = [d["text"] for d in passing if d.get("reason") is None][-1]  # dropped before dedup could see it
+    question = json.loads(GSM8K_TEST.read_text().splitlines()[7])["question"]
+    contact = (f"Write to {PLANTED_PII['email']} or call {PLANTED_PII['phone']}. The mirror is at "
+               f"{PLANTED_PII['ip_address']}, and the old deploy script still held the key {PLANTED_PII['secret']}.")
+    write_wet(inputs / "planted.warc.wet.gz", [("gsm8k-quote", f"{first}\n\nToday's puzzle: {question}"),
+                                              ("pii-page", f"{GARDEN_NOTICE}\n\n{contact}")])
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory, sample_inputs):
     out = tmp_path_factory.mktemp("runs") / "sample"
-    report = run_pipeline(str(SAMPLE), out, load_config(DEMO_CONFIG))
+    report = run_pipeline(str(sample_inputs), out, load_config(DEMO_CONFIG))
     return out, report
 
 
@@ -79,10 +125,25 @@ def test_real_sample_behaves_as_expected(sample_run):
     assert stages["url_filter"]["reasons"].get("url:blocklist", 0) >= 3
     assert all(r["language"] is None for r in rejected if r["stage"] == "url_filter")  # dropped before language id
     (gsm8k,) = report["decontamination"]["eval_sets"]
-    assert gsm8k["items"] == 1319 and gsm8k["matched_docs"] == stages["decontamination"]["counts"].get("gsm8k", 0)
+    assert gsm8k["items"] == 1319 and gsm8k["matched_docs"] == stages["decontamination"]["counts"]["gsm8k"] >= 1
     assert set(stages["pii"]["counts"]) == {"email", "ip_address", "phone", "secret"}
     assert sum(r["pii_ip_address"] or 0 for r in kept) + sum(r["pii_ip_address"] or 0 for r in rejected) == \
         stages["pii"]["counts"]["ip_address"]
+
+
+def test_planted_eval_quote_is_dropped_and_planted_pii_is_masked(sample_run):
+    out, report = sample_run
+    rejected = {r["warc_record_id"]: r for r in read_parquet(out / "rejected").to_pylist()}
+    kept = {r["warc_record_id"]: r for r in read_parquet(out / "documents").to_pylist()}
+    quote = rejected[record_id("gsm8k-quote")]
+    assert (quote["stage"], quote["reason"]) == ("decontamination", "contamination:gsm8k")
+    page = kept[record_id("pii-page")]  # masked, not dropped
+    for kind, value in PLANTED_PII.items():
+        assert value not in page["text"] and page[f"pii_{kind}"] == 1, kind
+    assert page["text"].endswith("Write to <EMAIL> or call <PHONE>. The mirror is at <IP_ADDRESS>, and the old "
+                                 "deploy script still held the key <SECRET>.")
+    pii = {s["name"]: s for s in report["stages"]}["pii"]["counts"]
+    assert all(pii[kind] >= 1 for kind in PLANTED_PII)
 
 
 def test_manifest_and_shards_agree(sample_run):
@@ -109,10 +170,10 @@ def test_manifest_and_shards_agree(sample_run):
         assert set(docs["split"].to_pylist()) == {shard["split"]}
 
 
-def test_same_input_and_config_give_byte_identical_output(sample_run, tmp_path):
+def test_same_input_and_config_give_byte_identical_output(sample_run, sample_inputs, tmp_path):
     out, _ = sample_run
     again = tmp_path / "again"
-    run_pipeline(str(SAMPLE), again, load_config(DEMO_CONFIG))
+    run_pipeline(str(sample_inputs), again, load_config(DEMO_CONFIG))
     first = json.loads((out / "manifest.json").read_text())
     second = json.loads((again / "manifest.json").read_text())
     assert first["shards"] == second["shards"] and first["tokenizer"] == second["tokenizer"]
