@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q '$(TORCH)'
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# bench: the tests run datatrove beside the pipeline (tests/test_bench_smoke.py), so its pins install too.
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
 # without importing them by name into each one.
-pytest_plugins = ["train_fixtures", "serve_fixtures"]
+pytest_plugins = ["train_fixtures", "serve_fixtures", "no_missing_module_skips", "pytester"]
 
 
 

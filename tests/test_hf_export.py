@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 from train_fixtures import load_documents, tiny_overrides
 
@@ -25,7 +26,6 @@ from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import Trainer
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REPO = Path(__file__).resolve().parents[1]
 

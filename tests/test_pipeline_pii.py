@@ -17,8 +17,9 @@ from pipeline.steps.pii import PII_COLUMNS, PLACEHOLDERS, MaskPii, PiiConfig, fi
 
 
 def _private_key() -> str:
-    serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
-    rsa = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.rsa")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
     key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
                              serialization.NoEncryption()).decode().strip()
