@@ -31,3 +31,15 @@ def ccnet_texts() -> list[str]:
     from ccnet import load_ccnet_texts
 
     return load_ccnet_texts()
+
+
+@pytest.fixture(autouse=True)
+def _ray_marker_is_true(request: pytest.FixtureRequest):
+    """The ``ray`` marker is what `make test-fast` (``-m "not ray"``) leaves out: a test that starts Ray in this
+    process (itself, or through a fixture) without the marker fails, naming the marker to add."""
+    yield
+    if request.node.get_closest_marker("ray") is None and "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            pytest.fail(f"{request.node.nodeid} started Ray but is not marked: add pytest.mark.ray to its module")

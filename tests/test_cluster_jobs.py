@@ -17,6 +17,8 @@ from conftest import REPO
 from cluster.trainer_memory import predict_trainer_state_bytes
 from ground.dist import free_port
 
+pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
+
 RAY = str(Path(sys.executable).with_name("ray"))
 RUNTIME_ENV = REPO / "cluster" / "jobs" / "runtime_env.yaml"
 

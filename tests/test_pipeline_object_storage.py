@@ -18,6 +18,8 @@ import pytest
 from conftest import REPO, sample_copies
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
 
+pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
+
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 BUCKET = "raylm-data"
 

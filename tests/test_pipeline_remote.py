@@ -15,6 +15,8 @@ from remote_servers import FaultPlan, http_server, moto_server, upload_dir, use_
 from pipeline.config import load_config
 from pipeline.executor import run_pipeline
 
+pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
+
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 
 

@@ -1,5 +1,6 @@
 """A run whose driver is SIGKILLed mid-way resumes with --resume, redoes only unfinished work, and publishes
-output byte-identical to an uninterrupted run; a resume with another config or input list is refused."""
+output byte-identical to an uninterrupted run, whichever pass the kill lands in (filter, dedup, tokenize, pack); a
+resume with another config or input list is refused."""
 
 import os
 import re
@@ -12,7 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO, sample_copies
 
+pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
+
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
+# Small dedup batches: the dedup pass sends many and lasts long enough to be caught part-way.
+SMALL_BATCHES = ["--set", "execution.batch_size=8"]
+FILES = 12  # the sample twice
 
 
 def cli(*args: str) -> list[str]:
@@ -30,34 +36,49 @@ def inputs(tmp_path_factory) -> Path:
     return sample_copies(tmp_path_factory.mktemp("inputs"))
 
 
-def test_killed_driver_resumes_to_byte_identical_output(inputs, tmp_path):
-    args = ["--input", str(inputs), "--config", str(DEMO_CONFIG)]
-    reference = tmp_path / "reference"
-    subprocess.run(cli(*args, "--output", str(reference)), check=True, cwd=REPO, capture_output=True)
+@pytest.fixture(scope="module")
+def reference(inputs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "out"
+    subprocess.run(cli("--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES, "--output", str(out)),
+                   check=True, cwd=REPO, capture_output=True)
+    return out
 
-    out = tmp_path / "out"
-    staging = out / ".staging"
+
+def run_and_kill(args: list[str], out: Path, ready) -> None:
+    """Start the run, SIGKILL its driver and the local Ray it started (as a lost node would) once
+    ``ready(done_dir)`` holds, and check that it had not finished."""
     proc = subprocess.Popen(cli(*args, "--output", str(out)), cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = out / ".staging" / "work" / "done"
     deadline = time.monotonic() + 300
-    done = staging / "work" / "done"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(done.glob("filter-*.json"))) >= 3:
-            break
-        time.sleep(0.05)
+    while time.monotonic() < deadline and proc.poll() is None and not ready(done):
+        time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started, as a lost node would
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert not (out / "manifest.json").exists()  # not published
+
+
+def markers(done: Path, prefix: str) -> int:
+    return len(list(done.glob(f"{prefix}-*.json")))
+
+
+def test_killed_driver_resumes_to_byte_identical_output(inputs, reference, tmp_path):
+    args = ["--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES]
+    out = tmp_path / "out"
+    staging = out / ".staging"
+    done = staging / "work" / "done"
+    run_and_kill(args, out, lambda done: markers(done, "filter") >= 3)
     finished_before = {p.name for p in done.glob("filter-*.json")}
-    assert 3 <= len(finished_before) < 12 and not (out / "manifest.json").exists()  # not published
+    assert 3 <= len(finished_before) < FILES
 
     other = tmp_path / "other.yaml"
     other.write_text(DEMO_CONFIG.read_text().replace("min_score: 0.65", "min_score: 0.5"))
-    refused = subprocess.run(cli("--input", str(inputs), "--config", str(other), "--output", str(out), "--resume"),
-                             cwd=REPO, capture_output=True, text=True)
+    refused = subprocess.run(cli("--input", str(inputs), "--config", str(other), *SMALL_BATCHES, "--output", str(out),
+                                 "--resume"), cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 2 and "language.min_score: 0.65 → 0.5" in refused.stderr
-    fewer = subprocess.run(cli("--input", str(inputs / "0-*"), "--config", str(DEMO_CONFIG), "--output", str(out),
-                               "--resume"), cwd=REPO, capture_output=True, text=True)
+    fewer = subprocess.run(cli("--input", str(inputs / "0-*"), "--config", str(DEMO_CONFIG), *SMALL_BATCHES,
+                               "--output", str(out), "--resume"), cwd=REPO, capture_output=True, text=True)
     assert fewer.returncode == 2 and "input list has 6 files, the unfinished run had 12" in fewer.stderr
     again = subprocess.run(cli(*args, "--output", str(out)), cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 2 and "--resume" in again.stderr  # an unfinished run is not silently discarded
@@ -69,4 +90,30 @@ def test_killed_driver_resumes_to_byte_identical_output(inputs, tmp_path):
     redone = re.search(r"filter: (\d+) of 12 files already done \(resumed\)", resumed.stderr)
     assert redone and len(finished_before) <= int(redone.group(1)) < 12, resumed.stderr
     assert not staging.exists()
+    assert output_files(out) == output_files(reference)
+
+
+@pytest.mark.parametrize(
+    ("in_pass", "ready", "redone"),
+    [
+        # The filter pass is done; the dedup index (in the killed Ray's memory) is not: rebuilt from work/filtered.
+        ("dedup", lambda done: markers(done, "filter") == FILES and not (done / "dedup.json").exists(),
+         rf"filter: {FILES} of {FILES} files already done \(resumed\)"),
+        ("tokenize", lambda done: 1 <= markers(done, "tokenize") < FILES, r"tokenize: (\d+) of 12 files already done"),
+        ("pack", lambda done: markers(done, "pack") >= 1, rf"tokenize: {FILES} of {FILES} files already done"),
+    ],
+)
+def test_a_run_killed_in_a_later_pass_resumes_to_byte_identical_output(inputs, reference, tmp_path, in_pass, ready,
+                                                                       redone):
+    args = ["--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES]
+    out = tmp_path / "out"
+    run_and_kill(args, out, ready)
+    done = out / ".staging" / "work" / "done"
+    if in_pass == "dedup":
+        assert not (done / "dedup.json").exists()
+    if in_pass == "tokenize":
+        assert markers(done, "tokenize") < FILES
+    resumed = subprocess.run(cli(*args, "--output", str(out), "--resume"), cwd=REPO, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(redone, resumed.stderr), resumed.stderr  # the passes before the kill are not redone
     assert output_files(out) == output_files(reference)

@@ -21,6 +21,8 @@ from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.executor import run_pipeline
 from pipeline.steps.quality import QualityFilter
 
+pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
+
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 
 
