@@ -1,7 +1,8 @@
 """Checkpoints through Ray Train on CPU/gloo: a killed worker restarted by Ray, a crashed run continued
 with --resume, resharding to another world size, retention, async saves.
 
-Runs (8 steps, tiny model, fp32, dropout 0), each started once for the whole module:
+Runs (8 steps, tiny model, fp32, dropout 0.1: every rank's RNG stream must resume too), each started once for
+the whole module:
 - ``fsdp_ref``: FSDP-2 uninterrupted, async saves every 2 steps, num_to_keep 2.
 - ``fsdp_killed``: the same with sync saves; rank 1 SIGKILLs itself after step 4 (first attempt only, a
   ``KillOnce`` step callback), ``max_failures=1``: Ray restarts both workers, which resume from the last
@@ -70,7 +71,8 @@ def ray_cluster() -> Iterator[str]:
 
 def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: object):
     overrides = tiny_overrides(data, out, steps=STEPS)
-    overrides |= {"parallel.strategy": strategy, "parallel.workers": workers, "checkpoint.interval_steps": 2}
+    overrides |= {"parallel.strategy": strategy, "parallel.workers": workers, "checkpoint.interval_steps": 2,
+                  "model.dropout": 0.1}
     return load_config(None, overrides | extra)
 
 
