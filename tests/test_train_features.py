@@ -112,6 +112,55 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
         assert r["losses"] == pytest.approx(expected, rel=1e-2) and r["losses"] != expected
 
 
+def _guard_worker(rank: int, port: int, data: str, out: str, strategy: str, queue: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        overrides = {"parallel.strategy": strategy, "parallel.workers": 2, "steps": 5}
+        trainer = Trainer(make_config(Path(data), Path(out), **overrides), DistContext(rank, 2, torch.device("cpu")))
+        if rank == 1:  # one rank's forward blows up at step 2; the other's is healthy
+            trainer.gpt.blocks[0].register_forward_hook(
+                lambda module, args, output: output * float("nan") if trainer.step == 2 else output
+            )
+        skipped, digests = [], []
+        for _ in range(5):
+            skipped.append(trainer.optimizer_step().record["skipped"])
+            digests.append(trainer.check_replicas()[rank] if strategy == "ddp" else None)
+        queue.put({"rank": rank, "skipped": skipped, "digests": digests, "bad_steps": trainer.bad_steps})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_bad_step_on_one_rank_is_skipped_by_every_rank_at_the_same_step(
+    token_dir: Path, tmp_path: Path, strategy: str
+) -> None:
+    """Two gloo ranks; only rank 1's loss goes non-finite, at step 2. Both ranks reach the same verdict, skip that
+    step's update and carry on; DDP replicas stay identical (the update they skipped was skipped everywhere)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_guard_worker, args=(r, port, str(token_dir), str(tmp_path / "run"), strategy, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+    for r in results:
+        assert r["skipped"] == [False, False, True, False, False], r
+        assert [b["step"] for b in r["bad_steps"]] == [2], r
+    assert "non-finite loss" in results[1]["bad_steps"][0]["reasons"]
+    if strategy == "ddp":
+        assert results[0]["digests"] == results[1]["digests"]
+
+
 def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(token_dir: Path, tmp_path: Path) -> None:
     plain = Trainer(make_config(token_dir, tmp_path / "plain"), CPU)
     ac = Trainer(make_config(token_dir, tmp_path / "ac", **{"parallel.activation_checkpointing": True}), CPU)
