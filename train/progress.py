@@ -3,7 +3,7 @@
 Ray forwards each worker's output line by line, so a bar drawn on a worker turns into a new line per
 update; the driver owns the terminal. It tails the run dir's ``metrics.jsonl`` (written by rank 0, the
 full record of the run) and shows step/total, loss, val loss, tokens/s and ETA: a rich progress bar on a
-terminal, a log line every ``PROGRESS_LOG_EVERY_S`` seconds elsewhere (``ray job`` logs, CI).
+terminal, a log line every ``log_every_s`` seconds elsewhere (``ray job`` logs, CI).
 
 The driver and rank 0 share no filesystem on a cluster, so the run dir is where the driver reads: a bucket
 (``s3://…``) holds rank 0's uploads of the file, made at each Ray report and checkpoint (``train.run_dir``), so
@@ -49,8 +49,10 @@ def describe(record: dict[str, Any], val_loss: float | None) -> str:
 class RunProgress:
     """A background thread that follows ``metrics.jsonl`` until ``stop()``; use as a context manager."""
 
-    def __init__(self, run_dir: str | Path | Location, total_steps: int, console: Console | None = None) -> None:
+    def __init__(self, run_dir: str | Path | Location, total_steps: int, console: Console | None = None,
+                 log_every_s: float = PROGRESS_LOG_EVERY_S) -> None:
         self.metrics = Location(run_dir).join(METRICS_FILE)
+        self.log_every_s = log_every_s
         self._poll_s = REMOTE_POLL_S if self.metrics.is_remote else POLL_S
         self.total_steps = total_steps
         self.console = console or Console(stderr=True)
@@ -118,7 +120,7 @@ class RunProgress:
         numbers = describe(record, self._val_loss)
         self._progress.update(self._task, completed=record["step"] + 1, numbers=numbers)
         now = time.monotonic()
-        if not self.console.is_terminal and now - self._last_log >= PROGRESS_LOG_EVERY_S:
+        if not self.console.is_terminal and now - self._last_log >= self.log_every_s:
             self._last_log = now
             task = self._progress.tasks[0]
             eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"
