@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from remote_servers import moto_server, upload_dir, use_s3_endpoint
 from train_fixtures import build_token_dir, tiny_overrides
 
+from ground.hashing import sha256_file
 from train.__main__ import main as train_main
 from train.__main__ import overrides_from_args, parse_args
 from train.config import load_config
@@ -42,7 +44,7 @@ def two_sources(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
             tokens = np.fromfile(path, dtype="<u2")[: shard["tokens"] // 2]
             tokens.tofile(path)
             shard["tokens"] = len(tokens)
-            shard.pop("sha256")
+            shard["sha256"] = sha256_file(path)
     (other / "manifest.json").write_text(json.dumps(manifest))
     return token_dir, other
 
@@ -120,6 +122,35 @@ def test_a_mixture_run_resumes_bitwise_and_records_its_sources(two_sources: tupl
     assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
     for key, value in reference.gpt.state_dict().items():
         assert torch.equal(resumed.gpt.state_dict()[key], value), key
+
+
+def test_a_source_in_object_storage_mixes_exactly_like_the_same_source_on_disk(
+    two_sources: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One source of the mixture in a bucket (moto's S3 server), the other local: its shards are fetched into the
+    node's cache, verified, and the run trains on the same windows, loss for loss, as with both on disk."""
+    web, books = two_sources
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.set_num_threads(1)
+
+    def losses(books_path: str, out: Path) -> list[float]:
+        mixture = [{"name": "web", "path": str(web), "weight": 0.7},
+                   {"name": "books", "path": books_path, "weight": 0.3}]
+        config = load_config(None, tiny_overrides(web, out, steps=4, **{"data.mixture": mixture}))
+        check_data(config)
+        trainer = Trainer(config, CPU)
+        try:
+            return [trainer.train_step()["loss"] for _ in range(4)]
+        finally:
+            trainer.close()
+
+    on_disk = losses(str(books), tmp_path / "local")
+    with moto_server() as endpoint:
+        use_s3_endpoint(monkeypatch, endpoint)
+        uri = upload_dir(endpoint, books, "raylm-mixture", "books")
+        in_bucket = losses(uri, tmp_path / "bucket")
+    assert in_bucket == on_disk
+    assert any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # the bucket's shards came through the cache
 
 
 def test_sources_with_different_tokenizers_are_refused_naming_them(token_dir: Path, tmp_path: Path) -> None:
