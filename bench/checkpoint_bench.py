@@ -139,8 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_data_args(parser, "checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest setting (the tests use it): --repeats 1 and the demo model only")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest setting (the tests use it): --repeats 1 and the demo model only"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.repeats = 1

@@ -52,21 +52,69 @@ FORMAT_VERSION = 2
 # Order matters: a small --mb takes only the first packages, so the multilingual ones come first.
 DEFAULT_PACKAGES = (
     # ~1.9 GB of HTML in all (bookworm), ~10 MB to ~480 MB per package; 200 MB of .warc.gz needs most of it.
-    "debian-reference-en", "debian-reference-fr", "debian-reference-de", "debian-reference-es",
-    "debian-reference-it", "debian-reference-ja", "debian-reference-zh-cn", "debian-reference-pt",
-    "debian-reference-id", "debian-reference-zh-tw", "debian-reference-pt-br",
-    "debian-faq", "debian-faq-de", "debian-faq-fr", "debian-faq-it", "debian-faq-ja", "debian-faq-ru",
-    "debian-faq-nl", "debian-faq-pt", "debian-faq-zh-cn",
-    "maint-guide", "maint-guide-de", "maint-guide-es", "maint-guide-fr", "maint-guide-it", "maint-guide-ja",
-    "maint-guide-ru", "maint-guide-zh-cn", "maint-guide-ca", "maint-guide-vi",
-    "developers-reference", "developers-reference-de", "developers-reference-fr", "developers-reference-it",
-    "developers-reference-ja", "developers-reference-ru", "debian-policy",
-    "python3.11-doc", "debian-handbook",
-    "libreoffice-help-en-us", "libreoffice-help-fr", "libreoffice-help-de", "libreoffice-help-es",
-    "libreoffice-help-it", "libreoffice-help-ja", "libreoffice-help-pt-br", "libreoffice-help-ru",
-    "libreoffice-help-zh-cn", "libreoffice-help-nl", "libreoffice-help-pl",
-    "apache2-doc", "debmake-doc", "harden-doc", "git-doc", "postgresql-doc-15", "python-django-doc", "sphinx-doc",
-    "python-scipy-doc", "python-pandas-doc", "openjdk-17-doc", "rust-doc", "libstdc++-12-doc", "libboost1.81-doc",
+    "debian-reference-en",
+    "debian-reference-fr",
+    "debian-reference-de",
+    "debian-reference-es",
+    "debian-reference-it",
+    "debian-reference-ja",
+    "debian-reference-zh-cn",
+    "debian-reference-pt",
+    "debian-reference-id",
+    "debian-reference-zh-tw",
+    "debian-reference-pt-br",
+    "debian-faq",
+    "debian-faq-de",
+    "debian-faq-fr",
+    "debian-faq-it",
+    "debian-faq-ja",
+    "debian-faq-ru",
+    "debian-faq-nl",
+    "debian-faq-pt",
+    "debian-faq-zh-cn",
+    "maint-guide",
+    "maint-guide-de",
+    "maint-guide-es",
+    "maint-guide-fr",
+    "maint-guide-it",
+    "maint-guide-ja",
+    "maint-guide-ru",
+    "maint-guide-zh-cn",
+    "maint-guide-ca",
+    "maint-guide-vi",
+    "developers-reference",
+    "developers-reference-de",
+    "developers-reference-fr",
+    "developers-reference-it",
+    "developers-reference-ja",
+    "developers-reference-ru",
+    "debian-policy",
+    "python3.11-doc",
+    "debian-handbook",
+    "libreoffice-help-en-us",
+    "libreoffice-help-fr",
+    "libreoffice-help-de",
+    "libreoffice-help-es",
+    "libreoffice-help-it",
+    "libreoffice-help-ja",
+    "libreoffice-help-pt-br",
+    "libreoffice-help-ru",
+    "libreoffice-help-zh-cn",
+    "libreoffice-help-nl",
+    "libreoffice-help-pl",
+    "apache2-doc",
+    "debmake-doc",
+    "harden-doc",
+    "git-doc",
+    "postgresql-doc-15",
+    "python-django-doc",
+    "sphinx-doc",
+    "python-scipy-doc",
+    "python-pandas-doc",
+    "openjdk-17-doc",
+    "rust-doc",
+    "libstdc++-12-doc",
+    "libboost1.81-doc",
 )
 WARC_DATE = "2024-06-01T00:00:00Z"
 ID_NAMESPACE = uuid.UUID("2b0f4c0e-7d3a-5a43-9c61-6f1d2f0f7a55")
@@ -198,16 +246,24 @@ def record_bytes(url: str, html: bytes) -> bytes:
         content_type = "text/html; charset=utf-8"
     except UnicodeDecodeError:
         content_type = "text/html"
-    http_headers = StatusAndHeaders("200 OK", [("Content-Type", content_type),
-                                               ("Content-Length", str(len(html)))], protocol="HTTP/1.1")
+    http_headers = StatusAndHeaders(
+        "200 OK", [("Content-Type", content_type), ("Content-Length", str(len(html)))], protocol="HTTP/1.1"
+    )
     # Common Crawl's WARCs carry the sniffed payload type; readers such as datatrove's WarcReader select on it.
     payload_type = "application/xhtml+xml" if html.lstrip()[:5] == b"<?xml" else "text/html"
     buf = io.BytesIO()
     writer = WARCWriter(buf, gzip=True)
     record = writer.create_warc_record(
-        url, "response", payload=io.BytesIO(html), length=len(html), http_headers=http_headers,
-        warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>", "WARC-Date": WARC_DATE,
-                           "WARC-Identified-Payload-Type": payload_type},
+        url,
+        "response",
+        payload=io.BytesIO(html),
+        length=len(html),
+        http_headers=http_headers,
+        warc_headers_dict={
+            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
+            "WARC-Date": WARC_DATE,
+            "WARC-Identified-Payload-Type": payload_type,
+        },
     )
     writer.write_record(record)
     return buf.getvalue()
@@ -220,9 +276,16 @@ def warcinfo_bytes(filename: str, info: dict[str, str]) -> bytes:
     buf = io.BytesIO()
     writer = WARCWriter(buf, gzip=True)
     record = writer.create_warc_record(
-        "", "warcinfo", payload=io.BytesIO(body), length=len(body), warc_content_type="application/warc-fields",
-        warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'warcinfo:' + filename)}>",
-                           "WARC-Date": WARC_DATE, "WARC-Filename": filename},
+        "",
+        "warcinfo",
+        payload=io.BytesIO(body),
+        length=len(body),
+        warc_content_type="application/warc-fields",
+        warc_headers_dict={
+            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'warcinfo:' + filename)}>",
+            "WARC-Date": WARC_DATE,
+            "WARC-Filename": filename,
+        },
     )
     writer.write_record(record)
     return buf.getvalue()
@@ -256,11 +319,16 @@ def _documents(sources: list[tuple[str, object]], scratch: Path, used: list[dict
             shutil.rmtree(tree, ignore_errors=True)
 
 
-def build(out: Path, mb: float, n_files: int, packages: list[str], html_dirs: list[Path], deb_cache: Path,
-          force: bool = False) -> dict:
+def build(
+    out: Path, mb: float, n_files: int, packages: list[str], html_dirs: list[Path], deb_cache: Path, force: bool = False
+) -> dict:
     """Write (or reuse) the WARC set; returns the sidecar dict."""
-    params = {"format": FORMAT_VERSION, "mb": mb, "files": n_files,
-              "sources": [f"html-dir:{d.resolve()}" for d in html_dirs] if html_dirs else list(packages)}
+    params = {
+        "format": FORMAT_VERSION,
+        "mb": mb,
+        "files": n_files,
+        "sources": [f"html-dir:{d.resolve()}" for d in html_dirs] if html_dirs else list(packages),
+    }
     existing = out / SIDECAR
     if existing.is_file() and not force:
         meta = json.loads(existing.read_text())
@@ -275,8 +343,10 @@ def build(out: Path, mb: float, n_files: int, packages: list[str], html_dirs: li
     if html_dirs:
         sources: list[tuple[str, object]] = [(d.resolve().name, d) for d in html_dirs]
     else:
-        if not any(DebSource(p, deb_cache).cached() for p in packages) and shutil.which("apt-cache") and not any(
-            apt_known(p) for p in packages[:3]
+        if (
+            not any(DebSource(p, deb_cache).cached() for p in packages)
+            and shutil.which("apt-cache")
+            and not any(apt_known(p) for p in packages[:3])
         ):
             log("apt knows none of the packages: apt-get update")
             _run(["apt-get", "update"])
@@ -287,9 +357,12 @@ def build(out: Path, mb: float, n_files: int, packages: list[str], html_dirs: li
     make_cache_dir(out.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     used: list[dict] = []
-    info = {"software": "raylm bench/debian_warc.py", "format": "WARC File Format 1.0",
-            "description": "HTML of Debian documentation packages as WARC response records (benchmark input)",
-            "isPartOf": f"debian-docs-{mb:g}mb"}
+    info = {
+        "software": "raylm bench/debian_warc.py",
+        "format": "WARC File Format 1.0",
+        "description": "HTML of Debian documentation packages as WARC response records (benchmark input)",
+        "isPartOf": f"debian-docs-{mb:g}mb",
+    }
     try:
         handles = [open(staging / n, "wb") for n in names]  # noqa: SIM115 (closed below; N files at once)
         sizes = [0] * n_files
@@ -315,16 +388,25 @@ def build(out: Path, mb: float, n_files: int, packages: list[str], html_dirs: li
         for h in handles:
             h.close()
         if not sum(records):
-            raise SystemExit("debian_warc: no HTML written: none of the packages could be fetched (is apt set up? "
-                             "`apt-get update` needs root) and no --html-dir was given")
+            raise SystemExit(
+                "debian_warc: no HTML written: none of the packages could be fetched (is apt set up? "
+                "`apt-get update` needs root) and no --html-dir was given"
+            )
         if total < target:
-            log(f"WARNING: sources exhausted at {total / 1e6:.1f} MB < {mb:g} MB requested; "
-                "add packages with --packages")
+            log(
+                f"WARNING: sources exhausted at {total / 1e6:.1f} MB < {mb:g} MB requested; "
+                "add packages with --packages"
+            )
         meta = {
-            "params": params, "total_bytes": total, "records": sum(records), "warc_date": WARC_DATE,
+            "params": params,
+            "total_bytes": total,
+            "records": sum(records),
+            "warc_date": WARC_DATE,
             "sources": used,
-            "files": [{"name": n, "bytes": s, "records": r, "sha256": d.hexdigest()}
-                      for n, s, r, d in zip(names, sizes, records, digests, strict=True)],
+            "files": [
+                {"name": n, "bytes": s, "records": r, "sha256": d.hexdigest()}
+                for n, s, r, d in zip(names, sizes, records, digests, strict=True)
+            ],
         }
         (staging / SIDECAR).write_text(json.dumps(meta, indent=1) + "\n")
         if out.exists():
@@ -338,22 +420,40 @@ def build(out: Path, mb: float, n_files: int, packages: list[str], html_dirs: li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 2)[2],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory (created; reused if complete)")
     parser.add_argument("--mb", type=float, default=200.0, help="total size to write, in MB of .warc.gz (default 200)")
-    parser.add_argument("--files", type=int, default=None,
-                        help="number of output files of about equal size (default: one per ~6 MB, at least 2)")
-    parser.add_argument("--deb-cache", type=Path, default=DEFAULT_CACHE,
-                        help=f"where downloaded .deb files are kept (default {DEFAULT_CACHE.relative_to(ROOT)})")
-    parser.add_argument("--packages", default=",".join(DEFAULT_PACKAGES), metavar="P1,P2,...",
-                        help=f"comma-separated Debian packages, taken in order (default: the {len(DEFAULT_PACKAGES)} "
-                             "in DEFAULT_PACKAGES, multilingual Debian guides first, then python3.11-doc, "
-                             "debian-handbook, libreoffice-help-*, API docs)")
-    parser.add_argument("--html-dir", type=Path, action="append", default=[],
-                        help="use the HTML files under this local directory instead of Debian packages "
-                             "(repeatable; no apt needed)")
+    parser.add_argument(
+        "--files",
+        type=int,
+        default=None,
+        help="number of output files of about equal size (default: one per ~6 MB, at least 2)",
+    )
+    parser.add_argument(
+        "--deb-cache",
+        type=Path,
+        default=DEFAULT_CACHE,
+        help=f"where downloaded .deb files are kept (default {DEFAULT_CACHE.relative_to(ROOT)})",
+    )
+    parser.add_argument(
+        "--packages",
+        default=",".join(DEFAULT_PACKAGES),
+        metavar="P1,P2,...",
+        help=f"comma-separated Debian packages, taken in order (default: the {len(DEFAULT_PACKAGES)} "
+        "in DEFAULT_PACKAGES, multilingual Debian guides first, then python3.11-doc, "
+        "debian-handbook, libreoffice-help-*, API docs)",
+    )
+    parser.add_argument(
+        "--html-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="use the HTML files under this local directory instead of Debian packages (repeatable; no apt needed)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if --out holds a matching set")
     args = parser.parse_args(argv)
     if args.mb <= 0:
@@ -361,8 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     n_files = args.files or max(2, round(args.mb / 6))
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
     meta = build(args.out, args.mb, n_files, packages, args.html_dir, args.deb_cache, args.force)
-    print(json.dumps({"out": str(args.out), "files": len(meta["files"]), "bytes": meta["total_bytes"],
-                      "records": meta["records"]}))
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "files": len(meta["files"]),
+                "bytes": meta["total_bytes"],
+                "records": meta["records"],
+            }
+        )
+    )
     return 0
 
 

@@ -51,8 +51,9 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="a directory or glob of WARC/WET files")
-    parser.add_argument("--prefixes", default="1000,2000,5000,10000,20000",
-                        help="comma-separated prefix lengths in characters")
+    parser.add_argument(
+        "--prefixes", default="1000,2000,5000,10000,20000", help="comma-separated prefix lengths in characters"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     texts = texts_of(args.input)

@@ -138,8 +138,9 @@ def renumbered_copies(originals: list[Path], repeat: int, dest: Path) -> list[Pa
             if k == 0:
                 target.write_bytes(raw)
             elif raw[:2] == b"\x1f\x8b":
-                target.write_bytes(b"".join(gzip.compress(_renumber(m, k), compresslevel=6, mtime=0)
-                                            for m in _split_gzip_members(raw)))
+                target.write_bytes(
+                    b"".join(gzip.compress(_renumber(m, k), compresslevel=6, mtime=0) for m in _split_gzip_members(raw))
+                )
             else:
                 target.write_bytes(_renumber(raw, k))
             out.append(target)
@@ -196,8 +197,11 @@ def floor_round(files: list[Path], workers: int) -> dict:
     t0 = time.perf_counter()
     with ProcessPoolExecutor(workers) as pool:
         counts = list(pool.map(read_only_file, [str(f) for f in files], chunksize=1))
-    return {"wall_s": time.perf_counter() - t0, "records": sum(r for r, _ in counts),
-            "payload_bytes": sum(b for _, b in counts)}
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "records": sum(r for r, _ in counts),
+        "payload_bytes": sum(b for _, b in counts),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -230,23 +234,44 @@ def _tail(path: Path, n: int = 40) -> str:
 
 # The stages datatrove's side of the comparison does not run (URL filter, decontamination, PII masking) are off
 # in our runs, so both sides do the same work: extraction, language id, quality rules, exact + MinHash dedup.
-LIKE_FOR_LIKE = ("--set", "url_filter.enabled=false", "--set", "decontamination.enabled=false",
-                 "--set", "pii.enabled=false")
+LIKE_FOR_LIKE = (
+    "--set",
+    "url_filter.enabled=false",
+    "--set",
+    "decontamination.enabled=false",
+    "--set",
+    "pii.enabled=false",
+)
 
 
 def run_ours(input_dir: Path, out_dir: Path, config: Path, workers: int, log_path: Path) -> dict:
     """One ``python -m pipeline run`` from process start to exit; returns wall, driver peak RSS and report."""
     result_path = log_path.with_suffix(".rss.json")
-    cmd = [sys.executable, "-c", _RSS_WRAPPER, str(result_path), "run", "--input", str(input_dir),
-           "--output", str(out_dir), "--config", str(config), "--num-cpus", str(workers), "--overwrite",
-           *LIKE_FOR_LIKE]
+    cmd = [
+        sys.executable,
+        "-c",
+        _RSS_WRAPPER,
+        str(result_path),
+        "run",
+        "--input",
+        str(input_dir),
+        "--output",
+        str(out_dir),
+        "--config",
+        str(config),
+        "--num-cpus",
+        str(workers),
+        "--overwrite",
+        *LIKE_FOR_LIKE,
+    ]
     with open(log_path, "wb") as fh:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT, check=False)
         wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"python -m pipeline run exited {proc.returncode}; last lines of {log_path}:\n"
-                           + _tail(log_path))
+        raise RuntimeError(
+            f"python -m pipeline run exited {proc.returncode}; last lines of {log_path}:\n" + _tail(log_path)
+        )
     rss = json.loads(result_path.read_text())
     report = json.loads((out_dir / "report.json").read_text())
     return {"wall_s": wall, "maxrss_kb": rss["maxrss_kb"], "report": report}
@@ -265,10 +290,20 @@ def bands_rows(config_path: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------------
 
 # pip names of what these stages import on top of datatrove's core install (the ``bench`` extra).
-DATATROVE_MODULES = {"datatrove": "datatrove", "warcio": "warcio", "cchardet": "faust-cchardet",
-                     "magic": "python-magic", "fasteners": "fasteners", "fasttext": "fasttext-numpy2-wheel",
-                     "spacy": "spacy", "xxhash": "xxhash", "tokenizers": "tokenizers", "resiliparse": "resiliparse",
-                     "regex": "regex", "orjson": "orjson"}
+DATATROVE_MODULES = {
+    "datatrove": "datatrove",
+    "warcio": "warcio",
+    "cchardet": "faust-cchardet",
+    "magic": "python-magic",
+    "fasteners": "fasteners",
+    "fasttext": "fasttext-numpy2-wheel",
+    "spacy": "spacy",
+    "xxhash": "xxhash",
+    "tokenizers": "tokenizers",
+    "resiliparse": "resiliparse",
+    "regex": "regex",
+    "orjson": "orjson",
+}
 
 
 def datatrove_missing() -> str | None:
@@ -280,8 +315,10 @@ def datatrove_missing() -> str | None:
         from importlib.metadata import version
 
         if int(version("xxhash").split(".")[0]) >= 4:
-            return (f"xxhash {version('xxhash')} breaks datatrove 0.10's MinHash ('Strings must be encoded before "
-                    "hashing'): `.venv/bin/pip install 'xxhash<4'` (the bench extra pins it)")
+            return (
+                f"xxhash {version('xxhash')} breaks datatrove 0.10's MinHash ('Strings must be encoded before "
+                "hashing'): `.venv/bin/pip install 'xxhash<4'` (the bench extra pins it)"
+            )
     except Exception:  # metadata missing: let the run report what happens
         pass
     return None
@@ -312,8 +349,10 @@ def _stats_by_step(logging_dir: Path) -> list[dict]:
     path = logging_dir / "stats.json"
     if not path.is_file():
         return []
-    return [{"name": s["name"], **{k: total(v) for k, v in s.get("stats", {}).items()}}
-            for s in json.loads(path.read_text())]
+    return [
+        {"name": s["name"], **{k: total(v) for k, v in s.get("stats", {}).items()}}
+        for s in json.loads(path.read_text())
+    ]
 
 
 def datatrove_job(spec: dict) -> dict:
@@ -361,29 +400,56 @@ def datatrove_job(spec: dict) -> dict:
     filtered, sigs, buckets, clusters, logs = (work / n for n in ("filtered", "sigs", "buckets", "remove", "logs"))
 
     runs = [
-        ("filter+signatures", LocalPipelineExecutor(
-            pipeline=[WarcReader(spec["input"], glob_pattern="*.warc*", adapter=_datatrove_adapter), *filters,
-                      JsonlWriter(str(filtered)), MinhashDedupSignature(output_folder=str(sigs), config=mh)],
-            tasks=workers, workers=workers, logging_dir=str(logs / "1"))),
-        ("buckets", LocalPipelineExecutor(
-            pipeline=[MinhashDedupBuckets(input_folder=str(sigs), output_folder=str(buckets), config=mh)],
-            tasks=mh.num_buckets, workers=workers, logging_dir=str(logs / "2"))),
-        ("cluster", LocalPipelineExecutor(
-            pipeline=[MinhashDedupCluster(input_folder=str(buckets), output_folder=str(clusters), config=mh)],
-            tasks=1, workers=1, logging_dir=str(logs / "3"))),
+        (
+            "filter+signatures",
+            LocalPipelineExecutor(
+                pipeline=[
+                    WarcReader(spec["input"], glob_pattern="*.warc*", adapter=_datatrove_adapter),
+                    *filters,
+                    JsonlWriter(str(filtered)),
+                    MinhashDedupSignature(output_folder=str(sigs), config=mh),
+                ],
+                tasks=workers,
+                workers=workers,
+                logging_dir=str(logs / "1"),
+            ),
+        ),
+        (
+            "buckets",
+            LocalPipelineExecutor(
+                pipeline=[MinhashDedupBuckets(input_folder=str(sigs), output_folder=str(buckets), config=mh)],
+                tasks=mh.num_buckets,
+                workers=workers,
+                logging_dir=str(logs / "2"),
+            ),
+        ),
+        (
+            "cluster",
+            LocalPipelineExecutor(
+                pipeline=[MinhashDedupCluster(input_folder=str(buckets), output_folder=str(clusters), config=mh)],
+                tasks=1,
+                workers=1,
+                logging_dir=str(logs / "3"),
+            ),
+        ),
     ]
     final = [JsonlReader(str(filtered)), MinhashDedupFilter(input_folder=str(clusters))]
     token_size = 0
     if spec.get("tokenizer") and Path(spec["tokenizer"]).is_file():
-        tok = DocumentTokenizer(output_folder=str(work / "tokens"), tokenizer_name_or_path=spec["tokenizer"],
-                                eos_token="<|endoftext|>")
+        tok = DocumentTokenizer(
+            output_folder=str(work / "tokens"), tokenizer_name_or_path=spec["tokenizer"], eos_token="<|endoftext|>"
+        )
         token_size = tok.token_size
         final.append(tok)
         stages.append("DocumentTokenizer (our run's tokenizer.json)")
     else:
         notes.append("datatrove DocumentTokenizer SKIPPED: no tokenizer.json from one of our runs yet.")
-    runs.append(("dedup-filter+tokenize",
-                 LocalPipelineExecutor(pipeline=final, tasks=workers, workers=workers, logging_dir=str(logs / "4"))))
+    runs.append(
+        (
+            "dedup-filter+tokenize",
+            LocalPipelineExecutor(pipeline=final, tasks=workers, workers=workers, logging_dir=str(logs / "4")),
+        )
+    )
 
     seconds: dict[str, float] = {}
     for name, executor in runs:
@@ -402,19 +468,28 @@ def datatrove_job(spec: dict) -> dict:
     s1, s4 = _stats_by_step(logs / "1"), _stats_by_step(logs / "4")
     tokens = sum(p.stat().st_size for p in (work / "tokens").rglob("*.ds")) // token_size if token_size else 0
     return {
-        "seconds": seconds, "stages": stages, "notes": notes, "tokens": int(tokens),
+        "seconds": seconds,
+        "stages": stages,
+        "notes": notes,
+        "tokens": int(tokens),
         "read_docs": int(next((s.get("documents", 0) for s in s1 if "Warc" in s["name"]), 0)),
         "after_filters": int(next((s.get("total", 0) for s in s1 if "Jsonl" in s["name"]), 0)),
-        "kept": int(next((s.get("forwarded", 0) for s in s4 if "MinHash" in s["name"] or "stage 4" in s["name"]),
-                         0)),
+        "kept": int(next((s.get("forwarded", 0) for s in s4 if "MinHash" in s["name"] or "stage 4" in s["name"]), 0)),
     }
 
 
-def run_datatrove(input_dir: Path, work: Path, workers: int, tokenizer: Path | None, br: tuple[int, int],
-                  log_path: Path) -> dict:
+def run_datatrove(
+    input_dir: Path, work: Path, workers: int, tokenizer: Path | None, br: tuple[int, int], log_path: Path
+) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"input": str(input_dir), "work": str(work), "workers": workers, "bands_rows": list(br),
-            "tokenizer": str(tokenizer) if tokenizer else None, "result": str(work / "result.json")}
+    spec = {
+        "input": str(input_dir),
+        "work": str(work),
+        "workers": workers,
+        "bands_rows": list(br),
+        "tokenizer": str(tokenizer) if tokenizer else None,
+        "result": str(work / "result.json"),
+    }
     (work / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--datatrove-job", str(work / "spec.json")]
     with open(log_path, "wb") as fh:
@@ -434,8 +509,9 @@ def run_datatrove(input_dir: Path, work: Path, workers: int, tokenizer: Path | N
 PLANTED_SEED = 1234
 
 
-def base_texts(documents_dir: Path | None, ccnet_dir: Path | None, n_bases: int, min_words: int = 60,
-               max_words: int = 400) -> list[str]:
+def base_texts(
+    documents_dir: Path | None, ccnet_dir: Path | None, n_bases: int, min_words: int = 60, max_words: int = 400
+) -> list[str]:
     """Real texts: cc_net documents first, then kept documents of our first run, each cut to ``max_words``."""
     texts: list[str] = []
     if ccnet_dir is not None and ccnet_dir.is_dir():
@@ -546,8 +622,9 @@ def bench_minhash(bases: list[str], n_docs: int, threshold: float, rounds: int) 
             t1 = time.perf_counter()
             deduplicate(rows, cfg)
             seconds[name].append(time.perf_counter() - t1)
-            decisions.setdefault(name, {row["warc_record_id"]: row["duplicate_of"] for row in rows
-                                        if row.get("duplicate_of")})
+            decisions.setdefault(
+                name, {row["warc_record_id"]: row["duplicate_of"] for row in rows if row.get("duplicate_of")}
+            )
 
     results: dict[str, dict] = {}
     for name, cfg in variants:
@@ -569,12 +646,22 @@ def bench_minhash(bases: list[str], n_docs: int, threshold: float, rounds: int) 
         }
     first = results[variants[0][0]]
     return {
-        "docs": len(docs), "bases": len(bases), "pairs": len(docs) * (len(docs) - 1) // 2,
-        "truth": first["true_pairs"], "near_miss": first["near_miss_pairs"], "threshold": threshold, "ngram": ngram,
-        "exact_s": exact_s, "num_perm": DedupConfig().minhash.num_perm, "missing_verify": missing_verify,
+        "docs": len(docs),
+        "bases": len(bases),
+        "pairs": len(docs) * (len(docs) - 1) // 2,
+        "truth": first["true_pairs"],
+        "near_miss": first["near_miss_pairs"],
+        "threshold": threshold,
+        "ngram": ngram,
+        "exact_s": exact_s,
+        "num_perm": DedupConfig().minhash.num_perm,
+        "missing_verify": missing_verify,
         "min_true_j": min((j for j in jaccards.values() if j >= threshold), default=None),
         "band_pairs": [sum(1 for j in jaccards.values() if lo <= j < hi) for lo, hi in bands],
-        "bands": bands, "variants": [name for name, _ in variants], "seconds": seconds, "results": results,
+        "bands": bands,
+        "variants": [name for name, _ in variants],
+        "seconds": seconds,
+        "results": results,
     }
 
 
@@ -587,78 +674,131 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
     w = args.workers
     size = mb(inp["bytes"])
     records = inp.get("records")
-    out = ["", "## Pipeline benchmark", "",
-           f"Input: {inp['files']} files, {size:,.1f} MB compressed"
-           + (f", {records:,} WARC records" if records else "") + f": {inp['description']}.",
-           f"Machine: {os.cpu_count()} CPUs visible. Each side gets {w} processes: Ray `--num-cpus {w}`; datatrove "
-           f"workers = tasks = {w}; the floor a pool of {w}. {len(rounds)} round(s), ours and datatrove alternating "
-           "in order (odd rounds run datatrove first). Timings: median [IQR] over rounds.", ""]
+    out = [
+        "",
+        "## Pipeline benchmark",
+        "",
+        f"Input: {inp['files']} files, {size:,.1f} MB compressed"
+        + (f", {records:,} WARC records" if records else "")
+        + f": {inp['description']}.",
+        f"Machine: {os.cpu_count()} CPUs visible. Each side gets {w} processes: Ray `--num-cpus {w}`; datatrove "
+        f"workers = tasks = {w}; the floor a pool of {w}. {len(rounds)} round(s), ours and datatrove alternating "
+        "in order (odd rounds run datatrove first). Timings: median [IQR] over rounds.",
+        "",
+    ]
 
     floor = [r["floor"] for r in rounds if r.get("floor")]
     ours = [r["ours"] for r in rounds if r.get("ours")]
     dts = [r["datatrove"] for r in rounds if r.get("datatrove") and "skipped" not in r["datatrove"]]
-    dt_skip = next((r["datatrove"]["skipped"] for r in rounds if r.get("datatrove") and "skipped" in r["datatrove"]),
-                   None)
+    dt_skip = next(
+        (r["datatrove"]["skipped"] for r in rounds if r.get("datatrove") and "skipped" in r["datatrove"]), None
+    )
     floor_mbs = statistics.median(size / f["wall_s"] for f in floor) if floor else None
 
     def row(label: str, what: str, walls: list[float], kept: str, tokens: str) -> str:
         mbs = [size / x for x in walls]
         rps = [records / x for x in walls] if records else []
         vs = fmt_spread([m / floor_mbs for m in mbs], 3, "x") if floor_mbs else "n/a"
-        return (f"| {label} | {what} | {fmt_spread(walls)} | {fmt_spread(mbs, 3)} | {fmt_spread(rps, 0)} | {kept} | "
-                f"{tokens} | {vs} |")
+        return (
+            f"| {label} | {what} | {fmt_spread(walls)} | {fmt_spread(mbs, 3)} | {fmt_spread(rps, 0)} | {kept} | "
+            f"{tokens} | {vs} |"
+        )
 
-    out += ["### Throughput (start-up included)", "",
-            "| system | what runs | wall s | input MB/s | records/s | kept docs | tokens | vs floor |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out += [
+        "### Throughput (start-up included)",
+        "",
+        "| system | what runs | wall s | input MB/s | records/s | kept docs | tokens | vs floor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     if floor:
-        out.append(row(f"read-only floor, {w} procs", "warcio decompress + parse, every record's content",
-                       [f["wall_s"] for f in floor], "-", "-"))
+        out.append(
+            row(
+                f"read-only floor, {w} procs",
+                "warcio decompress + parse, every record's content",
+                [f["wall_s"] for f in floor],
+                "-",
+                "-",
+            )
+        )
     if ours:
         rep = ours[0]["report"]
         stages = " > ".join(s["name"] for s in rep["stages"])
-        out.append(row("**ours**", f"`python -m pipeline run` process: start-up, {stages}, BPE training, writing",
-                       [o["wall_s"] for o in ours], f"{rep['output']['docs']:,}", f"{rep['output']['tokens']:,}"))
-        out.append(row("ours, report.json wall", "same run, its own wall (no interpreter / ray.init / shutdown)",
-                       [o["report"]["throughput"]["wall_seconds"] for o in ours], "", ""))
+        out.append(
+            row(
+                "**ours**",
+                f"`python -m pipeline run` process: start-up, {stages}, BPE training, writing",
+                [o["wall_s"] for o in ours],
+                f"{rep['output']['docs']:,}",
+                f"{rep['output']['tokens']:,}",
+            )
+        )
+        out.append(
+            row(
+                "ours, report.json wall",
+                "same run, its own wall (no interpreter / ray.init / shutdown)",
+                [o["report"]["throughput"]["wall_seconds"] for o in ours],
+                "",
+                "",
+            )
+        )
     if dts:
         import importlib.metadata as md
 
-        out.append(row(f"**datatrove** {md.version('datatrove')}", "process: " + " > ".join(dts[0]["stages"]),
-                       [d["wall_s"] for d in dts], f"{dts[0]['kept']:,}", f"{dts[0]['tokens']:,}"))
+        out.append(
+            row(
+                f"**datatrove** {md.version('datatrove')}",
+                "process: " + " > ".join(dts[0]["stages"]),
+                [d["wall_s"] for d in dts],
+                f"{dts[0]['kept']:,}",
+                f"{dts[0]['tokens']:,}",
+            )
+        )
     elif dt_skip:
         out.append(f"| datatrove | SKIPPED: {dt_skip} | | | | | | |")
     out.append("")
 
     paired = [r for r in rounds if r.get("ours") and r.get("datatrove") and "skipped" not in r["datatrove"]]
     if paired:
-        out.append("- **ours / datatrove** (input MB/s, per-round ratio of back-to-back runs): "
-                   + fmt_spread([r["datatrove"]["wall_s"] / r["ours"]["wall_s"] for r in paired], 2, "x"))
+        out.append(
+            "- **ours / datatrove** (input MB/s, per-round ratio of back-to-back runs): "
+            + fmt_spread([r["datatrove"]["wall_s"] / r["ours"]["wall_s"] for r in paired], 2, "x")
+        )
     if ours and floor:
-        out.append("- **ours / floor** (input MB/s, per round): " + fmt_spread(
-            [r["floor"]["wall_s"] / r["ours"]["wall_s"] for r in rounds if r.get("ours") and r.get("floor")], 3, "x")
-            + f"; floor {fmt_spread([size / f['wall_s'] for f in floor], 1)} MB/s")
+        out.append(
+            "- **ours / floor** (input MB/s, per round): "
+            + fmt_spread(
+                [r["floor"]["wall_s"] / r["ours"]["wall_s"] for r in rounds if r.get("ours") and r.get("floor")], 3, "x"
+            )
+            + f"; floor {fmt_spread([size / f['wall_s'] for f in floor], 1)} MB/s"
+        )
     if ours:
         stage_s = [sum(s["seconds"] for s in o["report"]["stages"]) for o in ours]
         eff = [s / (o["wall_s"] * w) for s, o in zip(stage_s, ours, strict=True)]
         eff_rep = [s / (o["report"]["throughput"]["wall_seconds"] * w) for s, o in zip(stage_s, ours, strict=True)]
         startup = [o["wall_s"] - o["report"]["throughput"]["wall_seconds"] for o in ours]
-        out += [f"- **parallel efficiency** (sum of stage worker-seconds / (wall x {w})): "
-                f"{fmt_spread([e * 100 for e in eff], 0, '%')} of the process wall, "
-                f"{fmt_spread([e * 100 for e in eff_rep], 0, '%')} of report.json's wall; stage worker-seconds "
-                f"{fmt_spread(stage_s, 1)} s",
-                f"- ours outside report.json's wall (interpreter, imports, ray.init, shutdown): "
-                f"{fmt_spread(startup, 1)} s",
-                f"- driver peak RSS of these runs: {fmt_spread([o['maxrss_kb'] / 1024 for o in ours], 0)} MiB"]
-        out += ["", "### Ours per stage (report.json; seconds = summed worker seconds)", "",
-                "| stage | docs in | docs out | worker s | ms/doc in | share of stage s |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            f"- **parallel efficiency** (sum of stage worker-seconds / (wall x {w})): "
+            f"{fmt_spread([e * 100 for e in eff], 0, '%')} of the process wall, "
+            f"{fmt_spread([e * 100 for e in eff_rep], 0, '%')} of report.json's wall; stage worker-seconds "
+            f"{fmt_spread(stage_s, 1)} s",
+            f"- ours outside report.json's wall (interpreter, imports, ray.init, shutdown): {fmt_spread(startup, 1)} s",
+            f"- driver peak RSS of these runs: {fmt_spread([o['maxrss_kb'] / 1024 for o in ours], 0)} MiB",
+        ]
+        out += [
+            "",
+            "### Ours per stage (report.json; seconds = summed worker seconds)",
+            "",
+            "| stage | docs in | docs out | worker s | ms/doc in | share of stage s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for i, s in enumerate(ours[0]["report"]["stages"]):
             secs = [o["report"]["stages"][i]["seconds"] for o in ours]
             per_doc = [1000 * x / s["docs_in"] for x in secs] if s["docs_in"] else []
             share = [o["report"]["stages"][i]["seconds"] / t * 100 for o, t in zip(ours, stage_s, strict=True) if t]
-            out.append(f"| {s['name']} | {s['docs_in']:,} | {s['docs_out']:,} | {fmt_spread(secs, 1)} | "
-                       f"{fmt_spread(per_doc, 2)} | {fmt_spread(share, 0, '%')} |")
+            out.append(
+                f"| {s['name']} | {s['docs_in']:,} | {s['docs_out']:,} | {fmt_spread(secs, 1)} | "
+                f"{fmt_spread(per_doc, 2)} | {fmt_spread(share, 0, '%')} |"
+            )
         reasons: dict[str, int] = {}
         for s in ours[0]["report"]["stages"]:
             for k, v in s.get("reasons", {}).items():
@@ -667,21 +807,30 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
         out += ["", "Top drop reasons (ours): " + ", ".join(f"{k} {v:,}" for k, v in top)]
     if dts:
         names = list(dts[0]["seconds"])
-        out += ["", "datatrove per executor run (wall s): " + ", ".join(
-            f"{n} {fmt_spread([d['seconds'][n] for d in dts], 1)}" for n in names)
+        out += [
+            "",
+            "datatrove per executor run (wall s): "
+            + ", ".join(f"{n} {fmt_spread([d['seconds'][n] for d in dts], 1)}" for n in names)
             + f"; docs read {dts[0]['read_docs']:,}, after filters {dts[0]['after_filters']:,}, after MinHash "
-            f"{dts[0]['kept']:,}."]
+            f"{dts[0]['kept']:,}.",
+        ]
         out += [f"- {n}" for n in dts[0]["notes"]]
 
     if rss is not None:
         k = rss["factor"]
-        out += ["", f"### Driver peak RSS, 1x vs {k}x input (`python -m pipeline run`, driver process only)", "",
-                "| input | files | MB | records in | driver peak RSS MiB | run wall s |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "",
+            f"### Driver peak RSS, 1x vs {k}x input (`python -m pipeline run`, driver process only)",
+            "",
+            "| input | files | MB | records in | driver peak RSS MiB | run wall s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for label, r in (("1x", rss["1x"]), (f"{k}x", rss["kx"])):
             rep = r["report"]
-            out.append(f"| {label}: {r['label']} | {r['files']} | {mb(r['bytes']):,.1f} | "
-                       f"{rep['input']['records']:,} | {r['maxrss_kb'] / 1024:,.0f} | {r['wall_s']:.1f} |")
+            out.append(
+                f"| {label}: {r['label']} | {r['files']} | {mb(r['bytes']):,.1f} | "
+                f"{rep['input']['records']:,} | {r['maxrss_kb'] / 1024:,.0f} | {r['wall_s']:.1f} |"
+            )
         ratio = rss["kx"]["maxrss_kb"] / rss["1x"]["maxrss_kb"]
         out += ["", f"**Driver peak RSS {k}x / 1x: {ratio:.2f}** (target <= 1.3). {rss['note']}"]
 
@@ -689,55 +838,84 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
         from pipeline.dedup_eval import EDIT_RATES
 
         t = mh["threshold"]
-        out += ["", "### MinHash-LSH on planted near-duplicates (exact dedup off, MinHash only)", "",
-                f"{mh['docs']} docs from {mh['bases']} real bases (cc_net text, then kept documents of our first run; "
-                f"<= 400 words each) and their variants at per-word edit rates "
-                f"{', '.join(str(x) for x in EDIT_RATES)} (`pipeline.dedup_eval.planted_set`, seed {PLANTED_SEED}: "
-                f"no exact copies after normalisation). {mh['pairs']:,} pairs, {mh['truth']} true pairs (exact "
-                f"Jaccard of word {mh['ngram']}-gram sets >= {t}), {mh['near_miss']} near-miss pairs at J in "
-                f"[0.5, 0.75), min true J {'n/a' if mh['min_true_j'] is None else round(mh['min_true_j'], 3)}. "
-                f"Exact all-pairs Jaccard (for the band breakdown) took {mh['exact_s']:.1f} s.", ""]
+        out += [
+            "",
+            "### MinHash-LSH on planted near-duplicates (exact dedup off, MinHash only)",
+            "",
+            f"{mh['docs']} docs from {mh['bases']} real bases (cc_net text, then kept documents of our first run; "
+            f"<= 400 words each) and their variants at per-word edit rates "
+            f"{', '.join(str(x) for x in EDIT_RATES)} (`pipeline.dedup_eval.planted_set`, seed {PLANTED_SEED}: "
+            f"no exact copies after normalisation). {mh['pairs']:,} pairs, {mh['truth']} true pairs (exact "
+            f"Jaccard of word {mh['ngram']}-gram sets >= {t}), {mh['near_miss']} near-miss pairs at J in "
+            f"[0.5, 0.75), min true J {'n/a' if mh['min_true_j'] is None else round(mh['min_true_j'], 3)}. "
+            f"Exact all-pairs Jaccard (for the band breakdown) took {mh['exact_s']:.1f} s.",
+            "",
+        ]
         if mh["missing_verify"]:
-            out += ["verify variants SKIPPED: needs `minhash.verify` in `pipeline.steps.dedup.MinHashDedupConfig`, "
-                    "which this checkout does not have.", ""]
-        out += ["| verify | bands x rows | dedup s | + vs none | dropped | precision (drops) | recall (pairs "
-                "collapsed) | same-cluster precision | same-cluster recall |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            out += [
+                "verify variants SKIPPED: needs `minhash.verify` in `pipeline.steps.dedup.MinHashDedupConfig`, "
+                "which this checkout does not have.",
+                "",
+            ]
+        out += [
+            "| verify | bands x rows | dedup s | + vs none | dropped | precision (drops) | recall (pairs "
+            "collapsed) | same-cluster precision | same-cluster recall |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         base = mh["seconds"].get("none")
         for name in mh["variants"]:
             r = mh["results"][name]
             secs = mh["seconds"][name]
-            extra = (fmt_spread([s - b for s, b in zip(secs, base, strict=True)], 3, " s")
-                     if base and name != "none" else "-")
+            extra = (
+                fmt_spread([s - b for s, b in zip(secs, base, strict=True)], 3, " s")
+                if base and name != "none"
+                else "-"
+            )
             b, rw = r["bands_rows"]
             # Counts back from pair_metrics' ratios (exact: ratio x denominator of small integers).
             correct, collapsed = round(r["precision"] * r["dropped"]), round(r["recall"] * r["true_pairs"])
             same_tp = round(r["cluster_recall"] * r["true_pairs"])
-            out.append(f"| {name} | {b} x {rw} | {fmt_spread(secs, 3)} | {extra} | {r['dropped']} | "
-                       f"{r['precision']:.3f} ({correct}/{r['dropped']}) | "
-                       f"{r['recall']:.3f} ({collapsed}/{r['true_pairs']}) | "
-                       f"{r['cluster_precision']:.3f} | {r['cluster_recall']:.3f} ({same_tp}/{r['true_pairs']}) |")
+            out.append(
+                f"| {name} | {b} x {rw} | {fmt_spread(secs, 3)} | {extra} | {r['dropped']} | "
+                f"{r['precision']:.3f} ({correct}/{r['dropped']}) | "
+                f"{r['recall']:.3f} ({collapsed}/{r['true_pairs']}) | "
+                f"{r['cluster_precision']:.3f} | {r['cluster_recall']:.3f} ({same_tp}/{r['true_pairs']}) |"
+            )
         bands = [tuple(b) for b in mh["bands"]]
         true_bands = [i for i, (lo, _) in enumerate(bands) if lo >= t]
-        out += ["", "By exact Jaccard band: drops = dropped docs whose J with their `duplicate_of` is in the band "
-                f"(below {t}: wrong drops); collapsed = true pairs in the band of which at least one doc was dropped:",
-                "", "| verify | " + " | ".join(f"drops, {band_label(*b)}" for b in bands) + " | "
-                + " | ".join(f"collapsed, {band_label(*bands[i])}" for i in true_bands) + " |",
-                "|---|" + "---:|" * (len(bands) + len(true_bands))]
+        out += [
+            "",
+            "By exact Jaccard band: drops = dropped docs whose J with their `duplicate_of` is in the band "
+            f"(below {t}: wrong drops); collapsed = true pairs in the band of which at least one doc was dropped:",
+            "",
+            "| verify | "
+            + " | ".join(f"drops, {band_label(*b)}" for b in bands)
+            + " | "
+            + " | ".join(f"collapsed, {band_label(*bands[i])}" for i in true_bands)
+            + " |",
+            "|---|" + "---:|" * (len(bands) + len(true_bands)),
+        ]
         for name in mh["variants"]:
             r = mh["results"][name]
             drops = " | ".join(str(d) for d in r["drops_by_band"])
             coll = " | ".join("{}/{}".format(*r["collapsed_by_band"][i]) for i in true_bands)
             out.append(f"| {name} | {drops} | {coll} |")
-        out += ["", "Pairs per band (sharing >= 1 n-gram): " + ", ".join(
-            f"{band_label(*b)} {n:,}" for b, n in zip(bands, mh["band_pairs"], strict=True)) + "."]
-        out += ["", "Scored by `pipeline.dedup_eval.pair_metrics`. Precision (drops) = dropped docs whose exact "
-                "Jaccard with their `duplicate_of` is >= the threshold / dropped docs; recall (pairs collapsed) = "
-                "true pairs of which at least one doc was dropped / true pairs. Same-cluster: a doc joined to its "
-                "`duplicate_of` (transitively) forms a cluster; precision = true pairs among same-cluster pairs / "
-                "same-cluster pairs, recall = same-cluster true pairs / true pairs (transitive chains count against "
-                "precision here even when each drop is right). dedup s = `deduplicate()` wall in this process; "
-                "+ vs none = per-round difference to verify=none (the time verification adds)."]
+        out += [
+            "",
+            "Pairs per band (sharing >= 1 n-gram): "
+            + ", ".join(f"{band_label(*b)} {n:,}" for b, n in zip(bands, mh["band_pairs"], strict=True))
+            + ".",
+        ]
+        out += [
+            "",
+            "Scored by `pipeline.dedup_eval.pair_metrics`. Precision (drops) = dropped docs whose exact "
+            "Jaccard with their `duplicate_of` is >= the threshold / dropped docs; recall (pairs collapsed) = "
+            "true pairs of which at least one doc was dropped / true pairs. Same-cluster: a doc joined to its "
+            "`duplicate_of` (transitively) forms a cluster; precision = true pairs among same-cluster pairs / "
+            "same-cluster pairs, recall = same-cluster true pairs / true pairs (transitive chains count against "
+            "precision here even when each drop is right). dedup s = `deduplicate()` wall in this process; "
+            "+ vs none = per-round difference to verify=none (the time verification adds).",
+        ]
     out += ["", "Command:", "", "```", command, "```", ""]
     return "\n".join(out)
 
@@ -749,35 +927,65 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true",
-                      help="shorter: --mb 24, --rounds 2, --rss-mb 2, --planted 150")
-    mode.add_argument("--smoke", action="store_true",
-                      help="every section once on a tiny input: data/sample or --warc-dir (no apt, no download), "
-                           "1 round, RSS at that input x1 (the throughput run) vs x2, 60 planted docs")
+    mode.add_argument("--quick", action="store_true", help="shorter: --mb 24, --rounds 2, --rss-mb 2, --planted 150")
+    mode.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section once on a tiny input: data/sample or --warc-dir (no apt, no download), "
+        "1 round, RSS at that input x1 (the throughput run) vs x2, 60 planted docs",
+    )
     parser.add_argument("--mb", type=float, help="size of the Debian-docs WARC input in MB (default 200)")
     parser.add_argument("--files", type=int, help="files in the Debian-docs WARC input (default: one per ~6 MB)")
-    parser.add_argument("--warc-dir", type=Path,
-                        help="use this directory of WARC/WET files as the input instead of the Debian set")
+    parser.add_argument(
+        "--warc-dir", type=Path, help="use this directory of WARC/WET files as the input instead of the Debian set"
+    )
     parser.add_argument("--with-sample", action="store_true", help="add data/sample (6 files, 0.65 MB) to the input")
-    parser.add_argument("--deb-cache", type=Path, default=CACHE / "debs",
-                        help="cache of downloaded .deb files (default bench/.cache/debs)")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="processes per side: Ray --num-cpus, datatrove workers and tasks, floor pool (default 2)")
+    parser.add_argument(
+        "--deb-cache",
+        type=Path,
+        default=CACHE / "debs",
+        help="cache of downloaded .deb files (default bench/.cache/debs)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="processes per side: Ray --num-cpus, datatrove workers and tasks, floor pool (default 2)",
+    )
     parser.add_argument("--rounds", type=int, help="throughput rounds, order alternated (default 3)")
-    parser.add_argument("--rss-mb", type=float,
-                        help="1x input of the RSS section in MB (default 8; the 8x input is --rss-factor times it)")
+    parser.add_argument(
+        "--rss-mb",
+        type=float,
+        help="1x input of the RSS section in MB (default 8; the 8x input is --rss-factor times it)",
+    )
     parser.add_argument("--rss-factor", type=int, default=None, help="the larger RSS input, x 1x (default 8)")
     parser.add_argument("--planted", type=int, help="planted docs for the MinHash section (default 300)")
     parser.add_argument("--threshold", type=float, default=0.8, help="MinHash Jaccard threshold (default 0.8)")
-    parser.add_argument("--config", type=Path, default=DEMO_CONFIG,
-                        help="pipeline config for our runs (default pipeline/configs/demo.yaml)")
-    parser.add_argument("--ccnet-dir", type=Path, default=next((p for p in CCNET_CANDIDATES if p.is_dir()), None),
-                        help="cc_net jsonl.gz texts for the planted set's bases")
-    parser.add_argument("--skip", action="append", default=[],
-                        choices=["floor", "ours", "datatrove", "rss", "minhash"], help="skip a section (repeatable)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEMO_CONFIG,
+        help="pipeline config for our runs (default pipeline/configs/demo.yaml)",
+    )
+    parser.add_argument(
+        "--ccnet-dir",
+        type=Path,
+        default=next((p for p in CCNET_CANDIDATES if p.is_dir()), None),
+        help="cc_net jsonl.gz texts for the planted set's bases",
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["floor", "ours", "datatrove", "rss", "minhash"],
+        help="skip a section (repeatable)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep outputs and logs here (default: a temp dir, deleted)")
     parser.add_argument("--json", type=Path, help="also write every measured number (all rounds) here")
     parser.add_argument("--datatrove-job", type=Path, help=argparse.SUPPRESS)
@@ -821,21 +1029,29 @@ def rss_inputs(args, work: Path, tp_dir: Path, tp_files: list[Path]) -> tuple[di
     if args.smoke:
         small = {"dir": tp_dir, "files": tp_files, "label": "the throughput input"}
         big_files = renumbered_copies(tp_files, k, work / "rss-kx")
-        big = {"dir": work / "rss-kx", "files": big_files,
-               "label": f"the throughput input x{k} (copies 2..{k}: fresh record ids, duplicate content)"}
+        big = {
+            "dir": work / "rss-kx",
+            "files": big_files,
+            "label": f"the throughput input x{k} (copies 2..{k}: fresh record ids, duplicate content)",
+        }
         return small, big, "--smoke: the 1x run is the throughput run (no run of its own)."
     n_small = 4
     src_dir, _ = debian_set(args.rss_mb * k, n_small * k, args.deb_cache)
     all_files = warc_files(src_dir)
     small_files = link_files(all_files[:n_small], work / "rss-1x")
-    small = {"dir": work / "rss-1x", "files": small_files,
-             "label": f"{n_small} of the {len(all_files)} files of the {args.rss_mb * k:g} MB Debian set"}
+    small = {
+        "dir": work / "rss-1x",
+        "files": small_files,
+        "label": f"{n_small} of the {len(all_files)} files of the {args.rss_mb * k:g} MB Debian set",
+    }
     big_files = link_files(all_files, work / "rss-kx")
     big = {"dir": work / "rss-kx", "files": big_files, "label": f"all {len(all_files)} files of it"}
-    note = (f"The RSS inputs ({mb(sum(f.stat().st_size for f in small_files)):.0f} and "
-            f"{mb(sum(f.stat().st_size for f in all_files)):.0f} MB) are smaller than the throughput input; every "
-            "file of the Debian set holds a similar mix of packages (records go to the smallest file), so 1x is a "
-            f"1/{k} slice of the same content mix.")
+    note = (
+        f"The RSS inputs ({mb(sum(f.stat().st_size for f in small_files)):.0f} and "
+        f"{mb(sum(f.stat().st_size for f in all_files)):.0f} MB) are smaller than the throughput input; every "
+        "file of the Debian set holds a similar mix of packages (records go to the smallest file), so 1x is a "
+        f"1/{k} slice of the same content mix."
+    )
     return small, big, note
 
 
@@ -846,8 +1062,13 @@ def main(argv: list[str] | None = None) -> int:
         result = datatrove_job(spec)
         Path(spec["result"]).write_text(json.dumps(result))
         return 0
-    command = " ".join([".venv/bin/python", "bench/pipeline_bench.py",
-                        *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
+    command = " ".join(
+        [
+            ".venv/bin/python",
+            "bench/pipeline_bench.py",
+            *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        ]
+    )
     tmp = None
     if args.workdir:
         work = args.workdir
@@ -899,13 +1120,19 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"round {r + 1}/{args.rounds}: datatrove ({args.workers} workers, {args.workers} tasks)")
                     dt_work = work / f"datatrove-{r}"
                     try:
-                        rec["datatrove"] = run_datatrove(input_dir, dt_work, args.workers,
-                                                         tokenizer if tokenizer.exists() else None, br,
-                                                         logs / f"datatrove-{r}.log")
+                        rec["datatrove"] = run_datatrove(
+                            input_dir,
+                            dt_work,
+                            args.workers,
+                            tokenizer if tokenizer.exists() else None,
+                            br,
+                            logs / f"datatrove-{r}.log",
+                        )
                     except Exception as err:  # report it, do not hide it: the table says datatrove failed
                         log(f"datatrove failed: {err}")
-                        rec["datatrove"] = {"skipped": f"failed: {str(err).splitlines()[0][:200]} "
-                                                       f"(log: {logs / f'datatrove-{r}.log'})"}
+                        rec["datatrove"] = {
+                            "skipped": f"failed: {str(err).splitlines()[0][:200]} (log: {logs / f'datatrove-{r}.log'})"
+                        }
                         dt_skip = rec["datatrove"]["skipped"]
                     shutil.rmtree(dt_work, ignore_errors=True)
             rounds.append(rec)
@@ -920,11 +1147,16 @@ def main(argv: list[str] | None = None) -> int:
                     res = rounds[0]["ours"]
                 else:
                     log(f"RSS: {key} ({mb(sum(f.stat().st_size for f in part['files'])):.1f} MB)")
-                    res = run_ours(part["dir"], work / f"rss-out-{key}", args.config, args.workers,
-                                   logs / f"rss-{key}.log")
+                    res = run_ours(
+                        part["dir"], work / f"rss-out-{key}", args.config, args.workers, logs / f"rss-{key}.log"
+                    )
                     shutil.rmtree(work / f"rss-out-{key}", ignore_errors=True)
-                rss[key] = {**res, "label": part["label"], "files": len(part["files"]),
-                            "bytes": sum(f.stat().st_size for f in part["files"])}
+                rss[key] = {
+                    **res,
+                    "label": part["label"],
+                    "files": len(part["files"]),
+                    "bytes": sum(f.stat().st_size for f in part["files"]),
+                }
 
         mh = None
         if "minhash" not in args.skip:
@@ -937,8 +1169,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(render(args, command, inp, rounds, rss, mh))
         if args.json:
-            args.json.write_text(json.dumps({"input": inp, "rounds": rounds, "rss": rss, "minhash": mh},
-                                            indent=1, default=str))
+            args.json.write_text(
+                json.dumps({"input": inp, "rounds": rounds, "rss": rss, "minhash": mh}, indent=1, default=str)
+            )
     finally:
         if tmp is not None:
             tmp.cleanup()

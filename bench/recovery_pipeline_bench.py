@@ -138,7 +138,7 @@ class BucketWatch:
             now = time.time()
             with self._lock:
                 for info in infos:
-                    name = info.path[len(base):]
+                    name = info.path[len(base) :]
                     if info.type != pafs.FileType.File or not name.startswith(("done/", "dedup/")):
                         continue
                     mtime = info.mtime.timestamp() if info.mtime else 0.0
@@ -156,7 +156,7 @@ def stored(uri: str) -> dict[str, bytes]:
     fs, base = pafs.FileSystem.from_uri(uri)
     out = {}
     for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
-        name = info.path[len(base) + 1:]
+        name = info.path[len(base) + 1 :]
         if info.type == pafs.FileType.File and not name.startswith("report."):
             with fs.open_input_stream(info.path) as fh:
                 out[name] = fh.read()
@@ -169,8 +169,10 @@ def index_shard_node(cluster: MultiNodeCluster) -> str | None:
 
     workers = {w.node_id for w in cluster.workers}
     actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
-    return next((a.node_id for a in actors
-                 if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers), None)
+    return next(
+        (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
+        None,
+    )
 
 
 def job_tasks(cluster: MultiNodeCluster, job: str, *filters: tuple[str, str, str]) -> list[Any]:
@@ -178,15 +180,22 @@ def job_tasks(cluster: MultiNodeCluster, job: str, *filters: tuple[str, str, str
     from ray.util.state import list_tasks
 
     ray_job_id = cluster.jobs.get_job_info(job).job_id
-    return list_tasks(address=cluster.dashboard_url, filters=[("job_id", "=", ray_job_id), *filters], detail=True,
-                      limit=10_000, timeout=60, raise_on_missing_output=False)
+    return list_tasks(
+        address=cluster.dashboard_url,
+        filters=[("job_id", "=", ray_job_id), *filters],
+        detail=True,
+        limit=10_000,
+        timeout=60,
+        raise_on_missing_output=False,
+    )
 
 
 def busiest_filter_node(cluster: MultiNodeCluster, job: str) -> tuple[Any, int]:
     """The worker node running the most filter tasks now (by Ray's task events, up to ~1 s old), and how many:
     losing a node that runs none would cost nothing to measure. Falls back to the first worker."""
-    running = Counter(t.node_id for t in job_tasks(cluster, job, ("state", "=", "RUNNING"))
-                      if "filter_file" in (t.name or ""))
+    running = Counter(
+        t.node_id for t in job_tasks(cluster, job, ("state", "=", "RUNNING")) if "filter_file" in (t.name or "")
+    )
     alive = {w.node_id: w for w in cluster.workers}
     node, count = next(((n, c) for n, c in running.most_common() if n in alive), (cluster.workers[0].node_id, 0))
     return alive[node], count
@@ -199,8 +208,15 @@ def timeline(tasks: list[Any], kill_ms: float) -> list[list[Any]]:
     for t in sorted(tasks, key=lambda t: t.start_time_ms or t.creation_time_ms or 0):
         if t.end_time_ms and t.end_time_ms < kill_ms - 2000:
             continue
-        rows.append([t.name, t.attempt_number, t.state, (t.node_id or "")[:8],
-                     *(round((ms - kill_ms) / 1000, 3) if ms else None for ms in (t.start_time_ms, t.end_time_ms))])
+        rows.append(
+            [
+                t.name,
+                t.attempt_number,
+                t.state,
+                (t.node_id or "")[:8],
+                *(round((ms - kill_ms) / 1000, 3) if ms else None for ms in (t.start_time_ms, t.end_time_ms)),
+            ]
+        )
     return rows
 
 
@@ -222,8 +238,13 @@ def filter_redone(tasks: list[Any], kill_ms: float, lost_node: str) -> dict[str,
         elif later or any(t.node_id == lost_node and t.state != "FINISHED" for t in rows):
             in_flight += 1
         retry_ends += [t.end_time_ms for t in later if t.state == "FINISHED" and t.end_time_ms]
-    return {"tasks": len(attempts), "attempts": sum(len(r) for r in attempts.values()), "redone": redone,
-            "in_flight_lost": in_flight, "last_retry_end_ms": max(retry_ends, default=None)}
+    return {
+        "tasks": len(attempts),
+        "attempts": sum(len(r) for r in attempts.values()),
+        "redone": redone,
+        "in_flight_lost": in_flight,
+        "last_retry_end_ms": max(retry_ends, default=None),
+    }
 
 
 def dedup_batches(tasks: list[Any], kill_ms: float) -> dict[str, Any]:
@@ -245,16 +266,34 @@ def dedup_batches(tasks: list[Any], kill_ms: float) -> dict[str, Any]:
             after.append(len(done))
             after_ids.add(actor)
             first_after += [t.end_time_ms for t in done]
-    return {"shards_before": len(before), "shards_after": len(after), "batches_before": max(before, default=0),
-            "batches_rebuild": max(after, default=0), "first_rebuild_batch_ms": min(first_after, default=None),
-            # A call to the lost shard failing: what tells the pass that its index is gone.
-            "first_failed_call_ms": min((t.end_time_ms for t in tasks if (t.name or "").startswith("BucketIndex.")
-                                         and t.state == "FAILED" and t.end_time_ms and t.end_time_ms >= kill_ms),
-                                        default=None),
-            # The rebuilt index's shards starting: the driver has noticed the loss and begun the rebuild.
-            "rebuild_created_ms": min((t.start_time_ms or t.creation_time_ms for t in tasks
-                                       if t.name == "BucketIndex.__init__" and t.actor_id in after_ids),
-                                      default=None)}
+    return {
+        "shards_before": len(before),
+        "shards_after": len(after),
+        "batches_before": max(before, default=0),
+        "batches_rebuild": max(after, default=0),
+        "first_rebuild_batch_ms": min(first_after, default=None),
+        # A call to the lost shard failing: what tells the pass that its index is gone.
+        "first_failed_call_ms": min(
+            (
+                t.end_time_ms
+                for t in tasks
+                if (t.name or "").startswith("BucketIndex.")
+                and t.state == "FAILED"
+                and t.end_time_ms
+                and t.end_time_ms >= kill_ms
+            ),
+            default=None,
+        ),
+        # The rebuilt index's shards starting: the driver has noticed the loss and begun the rebuild.
+        "rebuild_created_ms": min(
+            (
+                t.start_time_ms or t.creation_time_ms
+                for t in tasks
+                if t.name == "BucketIndex.__init__" and t.actor_id in after_ids
+            ),
+            default=None,
+        ),
+    }
 
 
 def seconds_after(ms: float | None, kill_ms: float) -> float | None:
@@ -265,8 +304,14 @@ def docs_into_dedup(report: dict) -> int:
     return next(s["docs_in"] for s in report["stages"] if s["name"] == "dedup_exact")
 
 
-def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, args: argparse.Namespace,
-             ref: dict[str, Any] | None) -> dict[str, Any]:
+def run_once(
+    cluster: MultiNodeCluster,
+    inputs: str,
+    uri: str,
+    scenario: str,
+    args: argparse.Namespace,
+    ref: dict[str, Any] | None,
+) -> dict[str, Any]:
     cluster.ensure_workers(2)
     started = time.monotonic()
     job = cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", uri, *CONFIG))
@@ -276,12 +321,17 @@ def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, ar
         if scenario == "filter":
             total = args.files
             need = max(1, math.ceil(args.kill_at * total))
-            wait_for(lambda: len(watch.names("done/filter-")) >= need, JOB_TIMEOUT_S,
-                     f"{need} files through the filter pass", interval_s=0.02)
+            wait_for(
+                lambda: len(watch.names("done/filter-")) >= need,
+                JOB_TIMEOUT_S,
+                f"{need} files through the filter pass",
+                interval_s=0.02,
+            )
             victim, result["filter_tasks_on_victim"] = busiest_filter_node(cluster, job)
         elif scenario == "dedup":
-            node = wait_for(lambda: index_shard_node(cluster), JOB_TIMEOUT_S, "the dedup pass's index shards",
-                            interval_s=0.05)
+            node = wait_for(
+                lambda: index_shard_node(cluster), JOB_TIMEOUT_S, "the dedup pass's index shards", interval_s=0.05
+            )
             shards_seen = time.time()
             # Part-way through the pass: a fraction of the reference's dedup pass, from the shards' creation.
             time.sleep(max(0.0, args.kill_at * ref["passes"]["dedup"] - (time.time() - shards_seen)))
@@ -289,8 +339,11 @@ def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, ar
             result["shards_seen_to_kill_s"] = time.time() - shards_seen
         if scenario != "reference":
             kill_wall = time.time()
-            result["missed"] = ("done/dedup.json" in watch.names("done/") if scenario == "dedup"
-                                else len(watch.names("done/filter-")) >= args.files)
+            result["missed"] = (
+                "done/dedup.json" in watch.names("done/")
+                if scenario == "dedup"
+                else len(watch.names("done/filter-")) >= args.files
+            )
             cluster.kill_node(victim)
             cluster.add_worker()  # the spot fleet's replacement
         done = cluster.wait_job(job, JOB_TIMEOUT_S)
@@ -300,9 +353,13 @@ def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, ar
     if done.status.value != "SUCCEEDED":
         raise SystemExit(f"{scenario}: job {done.status.value}\n{done.logs[-4000:]}")
     report = Location(uri).join("report.json").read_json()
-    result |= {"wall_s": report["throughput"]["wall_seconds"], "passes": report["passes"],
-               "files": report["input"]["files"], "docs_into_dedup": docs_into_dedup(report),
-               "rebuilds": done.logs.count(REBUILD_NOTICE)}
+    result |= {
+        "wall_s": report["throughput"]["wall_seconds"],
+        "passes": report["passes"],
+        "files": report["input"]["files"],
+        "docs_into_dedup": docs_into_dedup(report),
+        "rebuilds": done.logs.count(REBUILD_NOTICE),
+    }
     if scenario == "reference":
         return result
     kill_ms = kill_wall * 1000
@@ -315,8 +372,11 @@ def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, ar
         # Every marker write seen after the loss, rewrites included: a task on the lost node can still write its
         # marker as the node goes down (its processes outlive the raylet by a moment), and Ray's retry rewrites it.
         writes = [t for t in watch.writes("done/filter-") if t >= kill_wall]
-        rewritten = [k for k, s in watch.seen.items()
-                     if k.startswith("done/filter-") and any(t >= kill_wall for t, _ in s.mtimes[1:])]
+        rewritten = [
+            k
+            for k, s in watch.seen.items()
+            if k.startswith("done/filter-") and any(t >= kill_wall for t, _ in s.mtimes[1:])
+        ]
         counts = filter_redone(tasks, kill_ms, victim.node_id)
         executed = counts["attempts"]
         result |= {
@@ -349,8 +409,9 @@ def run_once(cluster: MultiNodeCluster, inputs: str, uri: str, scenario: str, ar
             "pass_done_s": marker.first - kill_wall if marker else None,
             "lost_redone_s": None,
         }
-    result["redone_share_of_before"] = result["redone"] / result["done_before_loss"] if result["done_before_loss"] \
-        else None
+    result["redone_share_of_before"] = (
+        result["redone"] / result["done_before_loss"] if result["done_before_loss"] else None
+    )
     # Re-run: every unit executed again, whether it had finished before the loss or was in flight on the lost node.
     result["rerun"] = result["redone"] + result["in_flight_lost"]
     result["rerun_share_of_executed"] = result["rerun"] / result["executed"] if result["executed"] else None
@@ -375,11 +436,15 @@ def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argpa
         f"### Recovery from a lost worker node: pipeline run ({args.files} input files, 2 worker nodes of 2 CPUs, "
         f"execution.batch_size=8, loss at {args.kill_at:g} of the pass, a replacement node added after)\n"
     )
-    print(f"reference: {len(refs)} runs, wall s {spread([r['wall_s'] for r in refs], args.rounds)}; "
-          f"dedup pass s {spread([r['passes']['dedup'] for r in refs], args.rounds)}; "
-          f"filter pass s {spread([r['passes']['filter'] for r in refs], args.rounds)}\n")
-    print("| scenario | runs | loss → progress s | loss → pass done s | redone / done before loss (+ in flight "
-          "on the lost node) | re-run share of executed | extra wall s | identical |")
+    print(
+        f"reference: {len(refs)} runs, wall s {spread([r['wall_s'] for r in refs], args.rounds)}; "
+        f"dedup pass s {spread([r['passes']['dedup'] for r in refs], args.rounds)}; "
+        f"filter pass s {spread([r['passes']['filter'] for r in refs], args.rounds)}\n"
+    )
+    print(
+        "| scenario | runs | loss → progress s | loss → pass done s | redone / done before loss (+ in flight "
+        "on the lost node) | re-run share of executed | extra wall s | identical |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for scenario in scenarios:
         rows = [r for r in results if r["scenario"] == scenario and not r["missed"]]
@@ -388,8 +453,10 @@ def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argpa
             print(f"| {scenario} | 0 | missed {missed}: the pass ended before the loss | | | | | |")
             continue
         units = rows[0]["units"]
-        redone = " ".join(f"{r['redone']}/{r['done_before_loss']}" + (f" (+{r['in_flight_lost']})"
-                                                                      if r["in_flight_lost"] else "") for r in rows)
+        redone = " ".join(
+            f"{r['redone']}/{r['done_before_loss']}" + (f" (+{r['in_flight_lost']})" if r["in_flight_lost"] else "")
+            for r in rows
+        )
         share = spread([r["rerun_share_of_executed"] for r in rows], args.rounds)
         identical = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
         print(
@@ -400,27 +467,37 @@ def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argpa
         )
     lost = [r for r in results if r["scenario"] == "filter" and not r["missed"]]
     if lost:
-        print(f"\nfilter: loss → the lost files done again (last retried task finished) s "
-              f"{spread([r['lost_redone_s'] for r in lost], args.rounds)}; files through the pass at the loss "
-              f"{' '.join(str(r['done_before_loss']) for r in lost)} of {args.files}")
+        print(
+            f"\nfilter: loss → the lost files done again (last retried task finished) s "
+            f"{spread([r['lost_redone_s'] for r in lost], args.rounds)}; files through the pass at the loss "
+            f"{' '.join(str(r['done_before_loss']) for r in lost)} of {args.files}"
+        )
     dedup = [r for r in results if r["scenario"] == "dedup" and not r["missed"]]
     if dedup:
-        print(f"dedup: loss → first failed call to the lost shard s "
-              f"{spread([r['loss_seen_s'] for r in dedup], args.rounds)}; → the rebuilt index's shards created s "
-              f"{spread([r['rebuild_started_s'] for r in dedup], args.rounds)}; → its first batch s "
-              f"{spread([r['progress_s'] for r in dedup], args.rounds)}")
-        print(f"dedup: batches per pass {' '.join(str(r['batches_per_pass']) for r in dedup)} of ≤8 documents, "
-              f"{dedup[0]['docs_into_dedup']} documents into dedup; rebuilds per run "
-              f"{' '.join(str(r['rebuilds']) for r in dedup)}")
+        print(
+            f"dedup: loss → first failed call to the lost shard s "
+            f"{spread([r['loss_seen_s'] for r in dedup], args.rounds)}; → the rebuilt index's shards created s "
+            f"{spread([r['rebuild_started_s'] for r in dedup], args.rounds)}; → its first batch s "
+            f"{spread([r['progress_s'] for r in dedup], args.rounds)}"
+        )
+        print(
+            f"dedup: batches per pass {' '.join(str(r['batches_per_pass']) for r in dedup)} of ≤8 documents, "
+            f"{dedup[0]['docs_into_dedup']} documents into dedup; rebuilds per run "
+            f"{' '.join(str(r['rebuilds']) for r in dedup)}"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--scenarios", default="dedup,filter")
-    parser.add_argument("--kill-at", type=float, default=0.5,
-                        help="filter: the share of files through the pass; dedup: the share of the reference's "
-                             "dedup pass seconds after the index shards appear (default 0.5)")
+    parser.add_argument(
+        "--kill-at",
+        type=float,
+        default=0.5,
+        help="filter: the share of files through the pass; dedup: the share of the reference's "
+        "dedup pass seconds after the index shards appear (default 0.5)",
+    )
     parser.add_argument("--copies", type=int, default=2, help="copies of data/sample as input (6 files each)")
     parser.add_argument("--smoke", action="store_true", help="smallest setting: 1 round")
     parser.add_argument("--json", help="also write every run's numbers here")
@@ -456,9 +533,13 @@ def main() -> int:
                     run = runs[scenario]
                     run["extra_wall_s"] = run["wall_s"] - runs["reference"]["wall_s"]
                     run["identical"] = stored(run["output"]) == reference
-                    print(f"  {scenario}: progress {run['progress_s']}, redone {run['redone']}/"
-                          f"{run['done_before_loss']}, extra wall {run['extra_wall_s']:.1f} s, "
-                          f"identical {run['identical']}", file=sys.stderr, flush=True)
+                    print(
+                        f"  {scenario}: progress {run['progress_s']}, redone {run['redone']}/"
+                        f"{run['done_before_loss']}, extra wall {run['extra_wall_s']:.1f} s, "
+                        f"identical {run['identical']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 results += [runs[s] for s in order]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

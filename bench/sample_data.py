@@ -19,10 +19,26 @@ def sample_pipeline_output(out: Path, vocab_size: int = 512) -> Path:
     if (out / "manifest.json").is_file():
         return out
     subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", "--input", str(REPO / "data" / "sample"), "--output", str(out),
-         "--config", str(REPO / "pipeline" / "configs" / "demo.yaml"), "--set", f"tokenize.vocab_size={vocab_size}",
-         "--num-cpus", "2", "--overwrite"],
-        check=True, cwd=REPO, stdout=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            "--input",
+            str(REPO / "data" / "sample"),
+            "--output",
+            str(out),
+            "--config",
+            str(REPO / "pipeline" / "configs" / "demo.yaml"),
+            "--set",
+            f"tokenize.vocab_size={vocab_size}",
+            "--num-cpus",
+            "2",
+            "--overwrite",
+        ],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
     )
     return out
 

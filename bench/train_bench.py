@@ -216,9 +216,12 @@ def main() -> None:
     add_data_args(parser, "train")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--smoke", action="store_true",
-                        help="smallest setting (the tests use it): --steps 1 --rounds 1, and the memory table for the "
-                             "demo model only (skips GPT-2 small, the slow part)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest setting (the tests use it): --steps 1 --rounds 1, and the memory table for the "
+        "demo model only (skips GPT-2 small, the slow part)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.rounds = 1, 1

@@ -99,8 +99,12 @@ class Checkpointer:
             # Pinned memory and non-blocking device copies only exist with an accelerator.
             on_gpu = torch.cuda.is_available() and ctx.device.type == "cuda"
             self._stager = DefaultStager(
-                StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
-                               use_non_blocking_copy=on_gpu)
+                StagingOptions(
+                    use_pinned_memory=on_gpu,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=on_gpu,
+                )
             )
             if self.distributed:
                 # A group of its own for the background save's collectives (creating it is itself a
@@ -157,7 +161,10 @@ class Checkpointer:
         writer = FileSystemWriter(str(staging))
         if self._executor is not None:
             upload = dcp.async_save(
-                state, storage_writer=writer, process_group=self._async_group, no_dist=not self.distributed,
+                state,
+                storage_writer=writer,
+                process_group=self._async_group,
+                no_dist=not self.distributed,
                 async_stager=self._stager,
             )
             files = self._executor.submit(_describe_after, upload, staging)

@@ -68,8 +68,9 @@ def fetch_verified(source: Location, sha256: str, cache: Path | None = None) -> 
                 digest.update(chunk)
                 out.write(chunk)
             if digest.hexdigest() != sha256:
-                raise CorruptDownload(f"{source.uri}: sha256 {digest.hexdigest()} of the bytes fetched, the manifest "
-                                      f"says {sha256}")
+                raise CorruptDownload(
+                    f"{source.uri}: sha256 {digest.hexdigest()} of the bytes fetched, the manifest says {sha256}"
+                )
     log.info("cached %s (%d bytes) in %s", source.uri, entry.stat().st_size, entry.parent)
     return entry
 

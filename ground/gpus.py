@@ -43,39 +43,83 @@ GPUS: dict[str, GPUSpec] = {
     for spec in (
         # NVIDIA A100 Tensor Core GPU datasheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity), TF32 156
         # (312 sparse); 40GB HBM2 (SXM4 40GB) and 80GB HBM2e (SXM4 80GB).
-        GPUSpec("A100-40GB", 40 * GB, 312 * TFLOPS, "NVIDIA A100 datasheet: BF16 312 TF dense, 40GB HBM2",
-                156 * TFLOPS, ("A100", "40GB")),
-        GPUSpec("A100-80GB", 80 * GB, 312 * TFLOPS, "NVIDIA A100 datasheet: BF16 312 TF dense, 80GB HBM2e",
-                156 * TFLOPS, ("A100",)),
+        GPUSpec(
+            "A100-40GB",
+            40 * GB,
+            312 * TFLOPS,
+            "NVIDIA A100 datasheet: BF16 312 TF dense, 40GB HBM2",
+            156 * TFLOPS,
+            ("A100", "40GB"),
+        ),
+        GPUSpec(
+            "A100-80GB",
+            80 * GB,
+            312 * TFLOPS,
+            "NVIDIA A100 datasheet: BF16 312 TF dense, 80GB HBM2e",
+            156 * TFLOPS,
+            ("A100",),
+        ),
         # NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 Tensor Core 1,979 TFLOPS with sparsity
         # (989 dense), TF32 989 sparse (494.5 dense), 80GB HBM3.
-        GPUSpec("H100-80GB-SXM", 80 * GB, 989 * TFLOPS, "NVIDIA H100 datasheet (SXM): BF16 1979/2 TF, 80GB",
-                494.5 * TFLOPS, ("H100",)),
+        GPUSpec(
+            "H100-80GB-SXM",
+            80 * GB,
+            989 * TFLOPS,
+            "NVIDIA H100 datasheet (SXM): BF16 1979/2 TF, 80GB",
+            494.5 * TFLOPS,
+            ("H100",),
+        ),
         # Same datasheet, PCIe column: BF16 1,513 sparse (756 dense), TF32 756 sparse (378 dense), 80GB.
-        GPUSpec("H100-80GB-PCIe", 80 * GB, 756 * TFLOPS, "NVIDIA H100 datasheet (PCIe): BF16 1513/2 TF, 80GB",
-                378 * TFLOPS, ("H100", "PCIE")),
+        GPUSpec(
+            "H100-80GB-PCIe",
+            80 * GB,
+            756 * TFLOPS,
+            "NVIDIA H100 datasheet (PCIe): BF16 1513/2 TF, 80GB",
+            378 * TFLOPS,
+            ("H100", "PCIE"),
+        ),
         # Same datasheet, NVL column: BF16 1,671 sparse (835 dense), TF32 835 sparse (417.5 dense), 94GB.
-        GPUSpec("H100-94GB-NVL", 94 * GB, 835 * TFLOPS, "NVIDIA H100 datasheet (NVL): BF16 1671/2 TF, 94GB",
-                417.5 * TFLOPS, ("H100", "NVL")),
+        GPUSpec(
+            "H100-94GB-NVL",
+            94 * GB,
+            835 * TFLOPS,
+            "NVIDIA H100 datasheet (NVL): BF16 1671/2 TF, 94GB",
+            417.5 * TFLOPS,
+            ("H100", "NVL"),
+        ),
         # NVIDIA H200 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS with sparsity, TF32 989
         # sparse, 141GB HBM3e.
-        GPUSpec("H200", 141 * GB, 989 * TFLOPS, "NVIDIA H200 datasheet (SXM): BF16 1979/2 TF, 141GB",
-                494.5 * TFLOPS, ("H200",)),
+        GPUSpec(
+            "H200",
+            141 * GB,
+            989 * TFLOPS,
+            "NVIDIA H200 datasheet (SXM): BF16 1979/2 TF, 141GB",
+            494.5 * TFLOPS,
+            ("H200",),
+        ),
         # NVIDIA L4 Tensor Core GPU datasheet: BF16 Tensor Core 242 TFLOPS with sparsity (121 dense), TF32
         # 120 sparse, 24GB.
-        GPUSpec("L4", 24 * GB, 121 * TFLOPS, "NVIDIA L4 datasheet: BF16 242/2 TF, 24GB GDDR6", 60 * TFLOPS,
-                ("L4",)),
+        GPUSpec("L4", 24 * GB, 121 * TFLOPS, "NVIDIA L4 datasheet: BF16 242/2 TF, 24GB GDDR6", 60 * TFLOPS, ("L4",)),
         # NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity (362 dense), TF32 366 sparse, 48GB GDDR6.
-        GPUSpec("L40S", 48 * GB, 362 * TFLOPS, "NVIDIA L40S datasheet: BF16 733/2 TF, 48GB GDDR6", 183 * TFLOPS,
-                ("L40S",)),
+        GPUSpec(
+            "L40S", 48 * GB, 362 * TFLOPS, "NVIDIA L40S datasheet: BF16 733/2 TF, 48GB GDDR6", 183 * TFLOPS, ("L40S",)
+        ),
         # NVIDIA A10 datasheet: BF16 250 TFLOPS with sparsity (125 dense), TF32 125 sparse, 24GB GDDR6.
-        GPUSpec("A10", 24 * GB, 125 * TFLOPS, "NVIDIA A10 datasheet: BF16 250/2 TF, 24GB GDDR6", 62.5 * TFLOPS,
-                ("A10",)),
+        GPUSpec(
+            "A10", 24 * GB, 125 * TFLOPS, "NVIDIA A10 datasheet: BF16 250/2 TF, 24GB GDDR6", 62.5 * TFLOPS, ("A10",)
+        ),
         # A10G is AWS's variant of the A10 (EC2 G5). NVIDIA publishes no A10G datasheet; the commonly quoted
         # AWS/NVIDIA figure is 70 TFLOPS dense BF16 tensor (vs 125 for the A10 datasheet) with the same 24GB
         # GDDR6 (see baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference). Treat it as approximate.
-        GPUSpec("A10G", 24 * GB, 70 * TFLOPS, "AWS A10G (EC2 G5), ~70 TF BF16 dense (no NVIDIA datasheet), 24GB",
-                None, ("A10G",), approximate=True),
+        GPUSpec(
+            "A10G",
+            24 * GB,
+            70 * TFLOPS,
+            "AWS A10G (EC2 G5), ~70 TF BF16 dense (no NVIDIA datasheet), 24GB",
+            None,
+            ("A10G",),
+            approximate=True,
+        ),
     )
 }
 

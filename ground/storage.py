@@ -38,8 +38,17 @@ import pyarrow.fs as pafs
 # Schemes a Location reads and writes. (The pipeline also reads http(s):// inputs, with its own reader.)
 STORAGE_SCHEMES = ("s3", "gs")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "STORAGE_EMULATOR_HOST")
+_ENV = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "STORAGE_EMULATOR_HOST",
+)
 COPY_CHUNK = 8 << 20
 TEMP_MARK = ".tmp-"  # in the name of a local file being written (see Location.open_output)
 _filesystems: dict[tuple, pafs.FileSystem] = {}
@@ -79,8 +88,9 @@ def local_path(uri: str | os.PathLike) -> Path:
     return Path(urlsplit(text).path if text.startswith("file://") else os.path.expanduser(text)).resolve()
 
 
-def filesystem(uri: str | os.PathLike, *, timeout_s: float | None = None,
-               sdk_retries: bool = True) -> tuple[pafs.FileSystem, str]:
+def filesystem(
+    uri: str | os.PathLike, *, timeout_s: float | None = None, sdk_retries: bool = True
+) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem holding ``uri`` (a URI or a local path) and the path within it.
 
     For object storage, ``timeout_s`` bounds connects and requests; ``sdk_retries=False`` turns the SDK's own
@@ -211,8 +221,11 @@ class Location:
         """Paths of the files under this directory, relative to it, sorted (empty when there is none)."""
         selector = pafs.FileSelector(self.path, recursive=recursive, allow_not_found=True)
         base = self.path.rstrip("/") + "/"
-        return sorted(i.path[len(base):] for i in self.fs.get_file_info(selector)
-                      if i.type == pafs.FileType.File and i.path.startswith(base))
+        return sorted(
+            i.path[len(base) :]
+            for i in self.fs.get_file_info(selector)
+            if i.type == pafs.FileType.File and i.path.startswith(base)
+        )
 
     def is_empty(self) -> bool:
         """No file under this directory (a missing directory is empty)."""

@@ -36,19 +36,32 @@ def _parser() -> argparse.ArgumentParser:
         "joined to --base-url",
     )
     run.add_argument("--base-url", help="prefix for the relative paths of --input-list (https://… or s3://…)")
-    run.add_argument("--output", required=True,
-                     help="output directory: a local path, or s3://bucket/prefix or gs://bucket/prefix (workers write "
-                     "straight to it; on a cluster without a shared filesystem, use object storage). Must not exist "
-                     "or be empty; complete once manifest.json, written last, is there")
+    run.add_argument(
+        "--output",
+        required=True,
+        help="output directory: a local path, or s3://bucket/prefix or gs://bucket/prefix (workers write "
+        "straight to it; on a cluster without a shared filesystem, use object storage). Must not exist "
+        "or be empty; complete once manifest.json, written last, is there",
+    )
     run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
-    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override one config value, e.g. --set dedup.minhash.verify=signature (repeatable)")
-    run.add_argument("--overwrite", action="store_true",
-                     help="remove what the output holds first (its manifest.json before anything else), finished "
-                     "output or an unfinished run's work, then run")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the unfinished run of this output (same config and inputs), redoing only "
-                     "unfinished work")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set dedup.minhash.verify=signature (repeatable)",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="remove what the output holds first (its manifest.json before anything else), finished "
+        "output or an unfinished run's work, then run",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the unfinished run of this output (same config and inputs), redoing only unfinished work",
+    )
     run.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
@@ -86,16 +99,31 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output", required=True, help="the model file to write (e.g. quality.bin)")
     train.add_argument("--epochs", type=int, default=defaults.epochs, help=f"default {defaults.epochs}")
     train.add_argument("--lr", type=float, default=defaults.lr, help=f"default {defaults.lr}")
-    train.add_argument("--ngrams", type=int, default=defaults.ngrams,
-                       help=f"word n-gram length (fastText wordNgrams), default {defaults.ngrams}")
+    train.add_argument(
+        "--ngrams",
+        type=int,
+        default=defaults.ngrams,
+        help=f"word n-gram length (fastText wordNgrams), default {defaults.ngrams}",
+    )
     train.add_argument("--dim", type=int, default=defaults.dim, help=f"vector size, default {defaults.dim}")
-    train.add_argument("--bucket", type=int, default=defaults.bucket,
-                       help=f"n-gram hash buckets (model size ≈ bucket × dim × 4 bytes), default {defaults.bucket}")
-    train.add_argument("--min-count", type=int, default=defaults.min_count,
-                       help=f"drop words seen fewer times, default {defaults.min_count}")
-    train.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction,
-                       help=f"share of documents held out (chosen by a hash of the text), default "
-                       f"{defaults.heldout_fraction}")
+    train.add_argument(
+        "--bucket",
+        type=int,
+        default=defaults.bucket,
+        help=f"n-gram hash buckets (model size ≈ bucket × dim × 4 bytes), default {defaults.bucket}",
+    )
+    train.add_argument(
+        "--min-count",
+        type=int,
+        default=defaults.min_count,
+        help=f"drop words seen fewer times, default {defaults.min_count}",
+    )
+    train.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=defaults.heldout_fraction,
+        help=f"share of documents held out (chosen by a hash of the text), default {defaults.heldout_fraction}",
+    )
     train.add_argument("--seed", type=int, default=defaults.seed, help=f"default {defaults.seed}")
 
     compare = sub.add_parser(
@@ -106,12 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--baseline", required=True, help="the reference output directory")
     compare.add_argument("--candidate", required=True, help="the output directory to check")
-    compare.add_argument("--max-jsd", type=float,
-                         help="largest token unigram Jensen-Shannon divergence allowed, in bits (0-1)")
-    compare.add_argument("--max-drop-rate-change", type=float,
-                         help="largest change of any stage's drop rate allowed, absolute (0.05 = 5 points)")
-    compare.add_argument("--max-fertility-change", type=float,
-                         help="largest relative change of any language's tokens per word allowed (0.1 = 10%%)")
+    compare.add_argument(
+        "--max-jsd", type=float, help="largest token unigram Jensen-Shannon divergence allowed, in bits (0-1)"
+    )
+    compare.add_argument(
+        "--max-drop-rate-change",
+        type=float,
+        help="largest change of any stage's drop rate allowed, absolute (0.05 = 5 points)",
+    )
+    compare.add_argument(
+        "--max-fertility-change",
+        type=float,
+        help="largest relative change of any language's tokens per word allowed (0.1 = 10%%)",
+    )
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
     return parser
 
@@ -127,8 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sample":
             from pipeline.sample import print_sample
 
-            print_sample(args.output, args.n, args.rejected or bool(args.stage or args.reason),
-                         args.stage, args.reason, args.seed, args.chars)
+            print_sample(
+                args.output,
+                args.n,
+                args.rejected or bool(args.stage or args.reason),
+                args.stage,
+                args.reason,
+                args.seed,
+                args.chars,
+            )
             return 0
         if args.command == "classifier":
             return _classifier(args)
@@ -143,14 +185,24 @@ def main(argv: list[str] | None = None) -> int:
 def _classifier(args: argparse.Namespace) -> int:
     from pipeline.steps.quality_classifier import TrainParams, train_classifier
 
-    params = TrainParams(epochs=args.epochs, lr=args.lr, ngrams=args.ngrams, dim=args.dim, bucket=args.bucket,
-                         min_count=args.min_count, seed=args.seed, heldout_fraction=args.heldout_fraction)
+    params = TrainParams(
+        epochs=args.epochs,
+        lr=args.lr,
+        ngrams=args.ngrams,
+        dim=args.dim,
+        bucket=args.bucket,
+        min_count=args.min_count,
+        seed=args.seed,
+        heldout_fraction=args.heldout_fraction,
+    )
     meta = train_classifier(args.positive, args.negative, args.output, params)
     train, heldout = meta["counts"]["train"], meta["counts"]["heldout"]
     accuracy = meta["heldout_accuracy"]
-    print(f"trained on {train['hq']} hq + {train['lq']} lq documents; held-out accuracy "
-          + (f"{accuracy:.4f}" if accuracy is not None else "n/a")
-          + f" on {heldout['hq']} hq + {heldout['lq']} lq")
+    print(
+        f"trained on {train['hq']} hq + {train['lq']} lq documents; held-out accuracy "
+        + (f"{accuracy:.4f}" if accuracy is not None else "n/a")
+        + f" on {heldout['hq']} hq + {heldout['lq']} lq"
+    )
     print(f"model: {args.output} (sha256 {meta['model']['sha256']}); metadata: {args.output}.json")
     return 0
 
@@ -160,8 +212,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     from pipeline.compare import compare_outputs, print_comparison
 
-    result = compare_outputs(args.baseline, args.candidate, args.max_jsd, args.max_drop_rate_change,
-                             args.max_fertility_change)
+    result = compare_outputs(
+        args.baseline, args.candidate, args.max_jsd, args.max_drop_rate_change, args.max_fertility_change
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -180,13 +233,25 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     except ConfigError as err:
         raise PipelineInputError(str(err)) from err
     config = load_config(args.config, overrides)
-    run = PipelineRun(args.input, args.output, config, overwrite=args.overwrite, console=console,
-                      input_list=args.input_list, base_url=args.base_url, resume=args.resume)
+    run = PipelineRun(
+        args.input,
+        args.output,
+        config,
+        overwrite=args.overwrite,
+        console=console,
+        input_list=args.input_list,
+        base_url=args.base_url,
+        resume=args.resume,
+    )
     import ray
     from ray.exceptions import RayTaskError
 
-    ray.init(address=args.address, num_cpus=args.num_cpus if not args.address else None,
-             include_dashboard=None, log_to_driver=True)
+    ray.init(
+        address=args.address,
+        num_cpus=args.num_cpus if not args.address else None,
+        include_dashboard=None,
+        log_to_driver=True,
+    )
     try:
         run.run()
     except RayTaskError as err:

@@ -83,10 +83,12 @@ class Output:
         for shard in self.manifest["shards"]:
             tokens = np.memmap(self.shard_file(shard), dtype=dtype, mode="r")
             for start in range(0, len(tokens), CHUNK_TOKENS):
-                chunk = np.asarray(tokens[start:start + CHUNK_TOKENS])
+                chunk = np.asarray(tokens[start : start + CHUNK_TOKENS])
                 if len(chunk) and int(chunk.max()) >= self.vocab_size:
-                    raise PipelineInputError(f"{self.root / shard['path']}: token id {int(chunk.max())} outside "
-                                             f"the vocabulary ({self.vocab_size})")
+                    raise PipelineInputError(
+                        f"{self.root / shard['path']}: token id {int(chunk.max())} outside "
+                        f"the vocabulary ({self.vocab_size})"
+                    )
                 counts += np.bincount(chunk, minlength=self.vocab_size)
         return counts
 
@@ -126,10 +128,13 @@ def measure_kept_stats(output: Output) -> KeptTokenStats:
         lengths = np.diff(np.concatenate([[-1], ends])) - 1  # tokens between EOTs, the EOT itself excluded
         table = output.documents(shard, ["language", "text"])
         if table.num_rows != len(lengths):
-            raise PipelineInputError(f"{output.root / shard['path']}: {len(lengths)} documents in the tokens, "
-                                     f"{table.num_rows} in its documents parquet")
-        for lang, text, n in zip(table["language"].to_pylist(), table["text"].to_pylist(), lengths.tolist(),
-                                 strict=True):
+            raise PipelineInputError(
+                f"{output.root / shard['path']}: {len(lengths)} documents in the tokens, "
+                f"{table.num_rows} in its documents parquet"
+            )
+        for lang, text, n in zip(
+            table["language"].to_pylist(), table["text"].to_pylist(), lengths.tolist(), strict=True
+        ):
             stats.add(lang, text, n)
     return stats
 
@@ -148,8 +153,13 @@ def divergence(p_counts: np.ndarray, q_counts: np.ndarray) -> tuple[float, float
     return jsd, float(np.abs(p - q).sum() / 2)
 
 
-def compare_outputs(baseline: str | Path, candidate: str | Path, max_jsd: float | None = None,
-                    max_drop_rate_change: float | None = None, max_fertility_change: float | None = None) -> dict:
+def compare_outputs(
+    baseline: str | Path,
+    candidate: str | Path,
+    max_jsd: float | None = None,
+    max_drop_rate_change: float | None = None,
+    max_fertility_change: float | None = None,
+) -> dict:
     """Everything ``compare`` shows, and ``exceeded``: one line per threshold past its limit."""
     base, cand = Output.open(baseline, "baseline"), Output.open(candidate, "candidate")
     result: dict = {"baseline": str(base.root), "candidate": str(cand.root), "exceeded": []}
@@ -171,26 +181,42 @@ def compare_outputs(baseline: str | Path, candidate: str | Path, max_jsd: float 
         b, c = base_stages[s["name"]]["drop_rate"], s["drop_rate"]
         stages.append({"stage": s["name"], "baseline": b, "candidate": c, "change": round(c - b, 6)})
         if max_drop_rate_change is not None and abs(c - b) > max_drop_rate_change:
-            exceeded.append(f"{s['name']} drop rate {b:.2%} → {c:.2%} ({c - b:+.2%}) > --max-drop-rate-change "
-                            f"{max_drop_rate_change}")
+            exceeded.append(
+                f"{s['name']} drop rate {b:.2%} → {c:.2%} ({c - b:+.2%}) > --max-drop-rate-change "
+                f"{max_drop_rate_change}"
+            )
     result["stages"] = stages
 
     base_langs, cand_langs = base.language_counts(), cand.language_counts()
     nb, nc = max(1, sum(base_langs.values())), max(1, sum(cand_langs.values()))
     langs = sorted(set(base_langs) | set(cand_langs), key=lambda k: -(base_langs.get(k, 0) + cand_langs.get(k, 0)))
-    result["languages"] = [{"language": k, "baseline": round(base_langs.get(k, 0) / nb, 6),
-                            "candidate": round(cand_langs.get(k, 0) / nc, 6)} for k in langs]
+    result["languages"] = [
+        {
+            "language": k,
+            "baseline": round(base_langs.get(k, 0) / nb, 6),
+            "candidate": round(cand_langs.get(k, 0) / nc, 6),
+        }
+        for k in langs
+    ]
 
     base_fert, cand_fert = base.fertility(), cand.fertility()
     fertility = []
     for lang in [k for k in base_fert if k in cand_fert]:
         b, c = base_fert[lang]["tokens_per_word"], cand_fert[lang]["tokens_per_word"]
         change = (c - b) / b if b and c is not None else None
-        fertility.append({"language": lang, "baseline": b, "candidate": c,
-                          "change": round(change, 6) if change is not None else None})
+        fertility.append(
+            {
+                "language": lang,
+                "baseline": b,
+                "candidate": c,
+                "change": round(change, 6) if change is not None else None,
+            }
+        )
         if max_fertility_change is not None and change is not None and abs(change) > max_fertility_change:
-            exceeded.append(f"{lang} fertility {b} → {c} tokens/word ({change:+.1%}) > --max-fertility-change "
-                            f"{max_fertility_change}")
+            exceeded.append(
+                f"{lang} fertility {b} → {c} tokens/word ({change:+.1%}) > --max-fertility-change "
+                f"{max_fertility_change}"
+            )
     result["fertility"] = fertility
     return result
 
@@ -201,8 +227,10 @@ def print_comparison(result: dict, console: Console | None = None) -> None:
     if "skipped" in uni:
         console.print(f"token unigrams: skipped, {uni['skipped']}")
     else:
-        console.print(f"token unigrams ({uni['vocab_size']} ids): JSD {uni['jsd_bits']:.4f} bits, "
-                      f"mass moved (TVD) {uni['tvd']:.2%}")
+        console.print(
+            f"token unigrams ({uni['vocab_size']} ids): JSD {uni['jsd_bits']:.4f} bits, "
+            f"mass moved (TVD) {uni['tvd']:.2%}"
+        )
     table = Table(title="drop rate per stage")
     for col in ("stage", "baseline", "candidate", "change"):
         table.add_column(col, justify="left" if col == "stage" else "right")
@@ -220,8 +248,12 @@ def print_comparison(result: dict, console: Console | None = None) -> None:
         table.add_column(col, justify="left" if col == "language" else "right")
     for row in result["fertility"]:
         change = row["change"]
-        table.add_row(row["language"], str(row["baseline"]), str(row["candidate"]),
-                      "-" if change is None or math.isnan(change) else f"{change:+.1%}")
+        table.add_row(
+            row["language"],
+            str(row["baseline"]),
+            str(row["candidate"]),
+            "-" if change is None or math.isnan(change) else f"{change:+.1%}",
+        )
     console.print(table)
     for line in result["exceeded"]:
         console.print(f"[bold red]threshold exceeded:[/] {line}", soft_wrap=True)

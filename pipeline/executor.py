@@ -53,8 +53,9 @@ class OnRay:
     """Call the dedup index shards as Ray actors; results stay references, so data goes shard to shard."""
 
     def each(self, shards: list, method: str, args: list[tuple], num_returns: int = 1) -> list:
-        return [getattr(s, method).options(num_returns=num_returns).remote(*a) for s, a in zip(shards, args,
-                                                                                                  strict=True)]
+        return [
+            getattr(s, method).options(num_returns=num_returns).remote(*a) for s, a in zip(shards, args, strict=True)
+        ]
 
     def get(self, values: list) -> list:
         return ray.get(values)
@@ -91,8 +92,15 @@ def _root_cause(err: BaseException) -> BaseException:
 
 class PipelineRun:
     def __init__(
-        self, inputs: str | None, output: str | Path, config: PipelineConfig, overwrite: bool = False,
-        console: Console | None = None, *, input_list: str | None = None, base_url: str | None = None,
+        self,
+        inputs: str | None,
+        output: str | Path,
+        config: PipelineConfig,
+        overwrite: bool = False,
+        console: Console | None = None,
+        *,
+        input_list: str | None = None,
+        base_url: str | None = None,
         resume: bool = False,
     ) -> None:
         self.config = config
@@ -119,8 +127,14 @@ class PipelineRun:
             "quality_classifier": self.classifier,
         }
         # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
-        self.staging = RunStaging(self.output, config.model_dump(mode="json"), [f.uri for f in self.files],
-                                  overwrite, resume, resources=self.resources)
+        self.staging = RunStaging(
+            self.output,
+            config.model_dump(mode="json"),
+            [f.uri for f in self.files],
+            overwrite,
+            resume,
+            resources=self.resources,
+        )
 
     def _say(self, msg: str) -> None:
         self.console.print(f"[bold cyan]pipeline[/] {msg}")
@@ -142,13 +156,17 @@ class PipelineRun:
 
     # ---- passes ----
 
-    def _map_files(self, staging: RunStaging | None, name: str, fn: Callable, items: list[dict], fn_kwargs: dict,
-                   count_bytes: bool) -> list[dict]:
+    def _map_files(
+        self, staging: RunStaging | None, name: str, fn: Callable, items: list[dict], fn_kwargs: dict, count_bytes: bool
+    ) -> list[dict]:
         """Run ``fn`` once per input file not yet done (Ray Data streams them with backpressure). ``fn`` returns
         ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``."""
         finished = staging.finished() if staging is not None else set()
-        summaries = {it["index"]: staging.read_marker(f"{name}-{it['index']:05d}") for it in items
-                     if f"{name}-{it['index']:05d}" in finished}
+        summaries = {
+            it["index"]: staging.read_marker(f"{name}-{it['index']:05d}")
+            for it in items
+            if f"{name}-{it['index']:05d}" in finished
+        }
         todo = [it for it in items if it["index"] not in summaries]
         total_bytes = sum(it["size"] for it in items) if count_bytes else 0
         done_bytes = sum(s.get("bytes", 0) for s in summaries.values()) if count_bytes else 0
@@ -185,8 +203,12 @@ class PipelineRun:
                     # The index lives in the shards' memory; its inputs (work/filtered) are persisted, so the
                     # whole index is rebuilt from them. The decisions are a function of the keys alone, not of
                     # the order they arrive in, so the rebuilt index decides as the lost one would have.
-                    log.warning("dedup: %s; rebuilding the index from the persisted keys (retry %d of %d)", lost,
-                                attempt + 1, retries)
+                    log.warning(
+                        "dedup: %s; rebuilding the index from the persisted keys (retry %d of %d)",
+                        lost,
+                        attempt + 1,
+                        retries,
+                    )
         self.pass_seconds["dedup"] = time.perf_counter() - t0
         staging.paths.done("dedup").write_json(stats)
         return stats
@@ -199,15 +221,26 @@ class PipelineRun:
         shards = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
         try:
             # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
-            sent = self._map_files(None, "dedup", index_file, alive,
-                                   {"paths": staging.paths, "shards": shards, "config": self.config}, False)
+            sent = self._map_files(
+                None,
+                "dedup",
+                index_file,
+                alive,
+                {"paths": staging.paths, "shards": shards, "config": self.config},
+                False,
+            )
             resolve_clusters(shards, OnRay())
-            written = ray.get([
-                s.write_decisions.remote(staging.paths.decisions_dir / f"decisions-{i:03d}.parquet")
-                for i, s in enumerate(shards)
-            ])
-            return {"shards": ray.get([s.get_stats.remote() for s in shards]), "decisions": sum(written),
-                    "send_seconds": sum(s["seconds"] for s in sent)}
+            written = ray.get(
+                [
+                    s.write_decisions.remote(staging.paths.decisions_dir / f"decisions-{i:03d}.parquet")
+                    for i, s in enumerate(shards)
+                ]
+            )
+            return {
+                "shards": ray.get([s.get_stats.remote() for s in shards]),
+                "decisions": sum(written),
+                "send_seconds": sum(s["seconds"] for s in sent),
+            }
         finally:
             for s in shards:
                 ray.kill(s)
@@ -220,8 +253,11 @@ class PipelineRun:
             if cfg.tokenizer_path:
                 path.write_text(load_tokenizer(cfg.tokenizer_path).to_str(pretty=True))
             else:
-                ray.get(ray.remote(train_tokenizer_on_kept).options(name="train_tokenizer").remote(
-                    staging.paths, items, self.config))
+                ray.get(
+                    ray.remote(train_tokenizer_on_kept)
+                    .options(name="train_tokenizer")
+                    .remote(staging.paths, items, self.config)
+                )
             staging.paths.done("tokenizer").write_json({"seconds": time.perf_counter() - t0})
         self.pass_seconds["tokenizer"] = time.perf_counter() - t0
         return tokenizer_from_json(path.read_text()), staging.read_marker("tokenizer")["seconds"]
@@ -254,24 +290,42 @@ class PipelineRun:
         items = [{"index": i, "uri": f.uri, "size": f.size or 0} for i, f in enumerate(self.files)]
         self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
         # One ray.put per run; every filter task gets the references and reads the arrays from the object store.
-        shared = {"blocklist": None if self.blocklist is None else ray.put(self.blocklist),
-                  "contamination": None if self.contamination is None else ray.put(self.contamination),
-                  "classifier_sha256": self.classifier["sha256"] if self.classifier else None}
-        filtered = self._map_files(staging, "filter", filter_file, items, {"paths": paths, "config": cfg, **shared},
-                                   True)
+        shared = {
+            "blocklist": None if self.blocklist is None else ray.put(self.blocklist),
+            "contamination": None if self.contamination is None else ray.put(self.contamination),
+            "classifier_sha256": self.classifier["sha256"] if self.classifier else None,
+        }
+        filtered = self._map_files(
+            staging, "filter", filter_file, items, {"paths": paths, "config": cfg, **shared}, True
+        )
         dedup = self._dedup(staging, items, filtered)
         tokenizer, tokenizer_seconds = self._tokenizer(staging, items)
-        tokenized = self._map_files(staging, "tokenize", tokenize_file, items,
-                                    {"paths": paths, "config": cfg, "tokenizer_json": tokenizer.to_str()}, False)
+        tokenized = self._map_files(
+            staging,
+            "tokenize",
+            tokenize_file,
+            items,
+            {"paths": paths, "config": cfg, "tokenizer_json": tokenizer.to_str()},
+            False,
+        )
         shards = self._pack(staging, tokenized)
         if paths.root.join("rejected").is_empty():
             write_empty_rejected(paths.root / "rejected")
-        return self._write_manifest_and_report(staging, filtered, dedup, tokenized, shards, tokenizer,
-                                               tokenizer_seconds, started)
+        return self._write_manifest_and_report(
+            staging, filtered, dedup, tokenized, shards, tokenizer, tokenizer_seconds, started
+        )
 
-    def _write_manifest_and_report(self, staging: RunStaging, filtered: list[dict], dedup: dict,
-                                   tokenized: list[dict], shards: list[dict], tokenizer: Tokenizer,
-                                   tokenizer_seconds: float, started: float) -> dict:
+    def _write_manifest_and_report(
+        self,
+        staging: RunStaging,
+        filtered: list[dict],
+        dedup: dict,
+        tokenized: list[dict],
+        shards: list[dict],
+        tokenizer: Tokenizer,
+        tokenizer_seconds: float,
+        started: float,
+    ) -> dict:
         root = staging.paths.root
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
@@ -286,18 +340,23 @@ class PipelineRun:
             kept_stats.merge(s["kept_stats"])
         shard_stats = dedup.get("shards", [])
         acc.seconds["dedup_exact"] += sum(s["exact_seconds"] for s in shard_stats)
-        acc.seconds["dedup_minhash"] += sum(s["minhash_seconds"] + s["verify_seconds"] + s["resolve_seconds"]
-                                            for s in shard_stats) + dedup.get("send_seconds", 0.0)
+        acc.seconds["dedup_minhash"] += sum(
+            s["minhash_seconds"] + s["verify_seconds"] + s["resolve_seconds"] for s in shard_stats
+        ) + dedup.get("send_seconds", 0.0)
         acc.seconds["tokenize"] += tokenizer_seconds
         tokens_out = sum(s["tokens"] for s in tokenized)
         wall = time.perf_counter() - started
-        sources = [{"path": s["uri"], "sha256": s["sha256"], "bytes": s["bytes"], "records": s["records"]}
-                   for s in filtered]
+        sources = [
+            {"path": s["uri"], "sha256": s["sha256"], "bytes": s["bytes"], "records": s["records"]} for s in filtered
+        ]
         input_bytes = sum(s["bytes"] for s in sources)
         manifest = {
-            "tokenizer": {"path": "tokenizer.json",
-                          "sha256": hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
-                          "vocab_size": vocab_size, "eot_id": tokenizer.token_to_id(EOT)},
+            "tokenizer": {
+                "path": "tokenizer.json",
+                "sha256": hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
+                "vocab_size": vocab_size,
+                "eot_id": tokenizer.token_to_id(EOT),
+            },
             "dtype": dtype.name,
             "shards": shards,
             "sources": sources,
@@ -305,11 +364,19 @@ class PipelineRun:
             "config": self.config.model_dump(mode="json"),
         }
         report = {
-            "input": {"files": len(filtered), "bytes": input_bytes, "records": acc.records,
-                      "read_retries": sum(s["read_retries"] for s in filtered)},
+            "input": {
+                "files": len(filtered),
+                "bytes": input_bytes,
+                "records": acc.records,
+                "read_retries": sum(s["read_retries"] for s in filtered),
+            },
             "stages": stage_rows(acc),
-            "output": {"docs": acc.kept, "tokens": tokens_out, "shards": len(shards),
-                       "bytes": tokens_out * dtype.itemsize},
+            "output": {
+                "docs": acc.kept,
+                "tokens": tokens_out,
+                "shards": len(shards),
+                "bytes": tokens_out * dtype.itemsize,
+            },
             "throughput": {
                 "input_mb_per_s": round(input_bytes / 1e6 / wall, 4),
                 "docs_per_s": round(acc.records / wall, 2),
@@ -320,15 +387,19 @@ class PipelineRun:
             "doc_tokens": kept_stats.length_distribution(),
             "fertility": kept_stats.fertility(),
             "passes": {name: round(s, 3) for name, s in self.pass_seconds.items()},
-            "url_filter": {"blocklist": self.resources["url_blocklist"],
-                           "banned_substrings": len(self.config.url_filter.banned_substrings)},
+            "url_filter": {
+                "blocklist": self.resources["url_blocklist"],
+                "banned_substrings": len(self.config.url_filter.banned_substrings),
+            },
             "classifier": {"model": self.classifier, "threshold": self.config.classifier.threshold},
             "decontamination": {
                 "action": self.config.decontamination.action,
                 "ngram": self.config.decontamination.ngram,
                 "min_matches": self.config.decontamination.min_matches,
-                "eval_sets": [{**e, "matched_docs": acc.counts["decontamination"][e["name"]]}
-                              for e in self.resources["eval_sets"].values()],
+                "eval_sets": [
+                    {**e, "matched_docs": acc.counts["decontamination"][e["name"]]}
+                    for e in self.resources["eval_sets"].values()
+                ],
             },
             "dedup": {
                 "candidate_pairs": sum(s["candidates"] for s in shard_stats),
@@ -354,13 +425,27 @@ def _pack_and_mark(paths: RunPaths, name: str, pieces: list[dict]) -> dict:
 
 
 def run_pipeline(
-    inputs: str | None, output: str | Path, config: PipelineConfig | None = None, overwrite: bool = False,
-    console: Console | None = None, *, input_list: str | None = None, base_url: str | None = None,
+    inputs: str | None,
+    output: str | Path,
+    config: PipelineConfig | None = None,
+    overwrite: bool = False,
+    console: Console | None = None,
+    *,
+    input_list: str | None = None,
+    base_url: str | None = None,
     resume: bool = False,
 ) -> dict:
     """Run on the Ray instance this process is connected to (``ray.init`` is the caller's job)."""
-    return PipelineRun(inputs, output, config or PipelineConfig(), overwrite, console, input_list=input_list,
-                       base_url=base_url, resume=resume).run()
+    return PipelineRun(
+        inputs,
+        output,
+        config or PipelineConfig(),
+        overwrite,
+        console,
+        input_list=input_list,
+        base_url=base_url,
+        resume=resume,
+    ).run()
 
 
 __all__ = ["PipelineRun", "run_pipeline"]

@@ -48,8 +48,12 @@ from pipeline.steps.url_filter import UrlBlocklist, UrlFilter
 FILTER_STAGES = STAGES[: STAGES.index("dedup_exact")]
 
 
-def filter_steps(config: PipelineConfig, blocklist: UrlBlocklist | None = None,
-                 contamination: ContaminationIndex | None = None, classifier_sha256: str | None = None) -> list[Step]:
+def filter_steps(
+    config: PipelineConfig,
+    blocklist: UrlBlocklist | None = None,
+    contamination: ContaminationIndex | None = None,
+    classifier_sha256: str | None = None,
+) -> list[Step]:
     """The steps after extract, in order (``STAGES``). The URL blocklist and the eval-set index are built once by
     the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests. The
     classifier model is loaded by path once per worker process; ``classifier_sha256`` is the driver's hash of it
@@ -142,8 +146,14 @@ def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: Counte
 
 
 @reports_input_errors
-def filter_file(item: dict, paths: RunPaths, config: PipelineConfig, blocklist: Any = None,
-                contamination: Any = None, classifier_sha256: str | None = None) -> dict:
+def filter_file(
+    item: dict,
+    paths: RunPaths,
+    config: PipelineConfig,
+    blocklist: Any = None,
+    contamination: Any = None,
+    classifier_sha256: str | None = None,
+) -> dict:
     """Pass 1 for one input file; returns its summary (also written as the file's marker). ``blocklist`` and
     ``contamination`` are object references (or None) to what the driver built once for the run;
     ``classifier_sha256`` is the driver's hash of the classifier model (a string: it travels as is)."""
@@ -195,8 +205,7 @@ def index_file(item: dict, paths: RunPaths, shards: list, config: PipelineConfig
     with paths.filtered(item["index"]).open_input() as source:
         for batch in pq.ParquetFile(source).iter_batches(batch_size=config.execution.batch_size, columns=KEY_COLUMNS):
             docs += index_keys(pa.Table.from_batches([batch]), shards, config)
-    return {"summary": json.dumps({"index": item["index"], "docs": docs,
-                                   "seconds": time.perf_counter() - started})}
+    return {"summary": json.dumps({"index": item["index"], "docs": docs, "seconds": time.perf_counter() - started})}
 
 
 def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
@@ -208,9 +217,13 @@ def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
         return 0
     dedup = config.dedup
     signatures = np.frombuffer(b"".join(alive["signature"].to_pylist()), dtype="<u4").reshape(
-        -1, dedup.minhash.num_perm)
-    shingle_sets = ([np.asarray(s, dtype=np.uint64) for s in alive["shingles"].to_pylist()]
-                    if dedup.minhash.enabled and dedup.minhash.verify == "jaccard" else [])
+        -1, dedup.minhash.num_perm
+    )
+    shingle_sets = (
+        [np.asarray(s, dtype=np.uint64) for s in alive["shingles"].to_pylist()]
+        if dedup.minhash.enabled and dedup.minhash.verify == "jaccard"
+        else []
+    )
     doc_keys = [doc_key(r) for r in alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()]
     batch = keyed_batch(dedup, doc_keys, alive["exact_key"].to_pylist(), signatures, shingle_sets)
     parts = [shard_part(batch, i, len(shards)) for i in range(len(shards))]
@@ -228,8 +241,9 @@ def load_decisions(paths: RunPaths, source: str) -> dict[str, tuple[str, str]]:
     for name in directory.files(recursive=False):
         f = directory / name
         table = pq.read_table(f.path, filesystem=f.fs, filters=[("source", "=", source)])
-        for key, stage, kept in zip(table["doc_key"].to_pylist(), table["stage"].to_pylist(),
-                                    table["duplicate_of"].to_pylist(), strict=True):
+        for key, stage, kept in zip(
+            table["doc_key"].to_pylist(), table["stage"].to_pylist(), table["duplicate_of"].to_pylist(), strict=True
+        ):
             decisions[key] = (stage, kept)
     return decisions
 
@@ -244,8 +258,9 @@ def kept_texts(paths: RunPaths, items: list[dict], max_chars: int) -> Iterator[s
     seen = 0
     for item in items:
         decisions = MarkDuplicates(load_decisions(paths, item["uri"]))
-        for batch in _filtered_batches(paths, item["index"], ["warc_record_id", "source", "source_offset", "stage",
-                                                              "reason", "text"]):
+        for batch in _filtered_batches(
+            paths, item["index"], ["warc_record_id", "source", "source_offset", "stage", "reason", "text"]
+        ):
             rows = decisions(batch.to_pylist())
             for row in rows:
                 if not is_dropped(row):
@@ -276,8 +291,10 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
     seconds["dedup_mark"] += time.perf_counter() - started
     tokenize = TokenizeDocs(tokenizer_json, config.tokenize)
     dtype = token_dtype(tokenizer_from_json(tokenizer_json).get_vocab_size())
-    writers = {s: PieceWriter(paths.pieces_dir, f"{s}-{index:05d}", s, dtype, config.tokenize.shard_tokens)
-               for s in ("train", "val")}
+    writers = {
+        s: PieceWriter(paths.pieces_dir, f"{s}-{index:05d}", s, dtype, config.tokenize.shard_tokens)
+        for s in ("train", "val")
+    }
     rejected = RejectedWriter(paths.root / "rejected", index, config.execution.rejected_rows_per_file)
     kept = tokens = 0
     stats = KeptTokenStats()

@@ -86,8 +86,13 @@ class PieceWriter:
         piece.docs_writer.close()
         piece.files.close()
         self.pieces.append(
-            {"name": piece.name, "split": self.split, "tokens": piece.tokens, "docs": piece.docs,
-             "sha256": piece.sha.hexdigest()}
+            {
+                "name": piece.name,
+                "split": self.split,
+                "tokens": piece.tokens,
+                "docs": piece.docs,
+                "sha256": piece.sha.hexdigest(),
+            }
         )
         self._piece = None
 
@@ -165,6 +170,7 @@ def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: s
         "docs": sum(p["docs"] for p in pieces),
         "sha256": sha.hexdigest(),
     }
+
 
 def plan_shards(pieces: list[dict], shard_tokens: int) -> list[tuple[str, list[dict]]]:
     """Group pieces (in input-file order) into shards per split: a shard closes at the first piece end at or

@@ -20,15 +20,23 @@ from ground.logsetup import PROGRESS_LOG_EVERY_S
 log = logging.getLogger("pipeline")
 
 
-
 class PassProgress:
     """One pass: ``advance(files, bytes)`` as work units finish; rates are over this invocation's work.
 
     On a terminal a rich progress bar; elsewhere a log line every ``log_every_s`` seconds, same numbers.
     """
 
-    def __init__(self, console: Console, name: str, total_units: int, total_bytes: int, done_units: int = 0,
-                 done_bytes: int = 0, unit: str = "files", log_every_s: float = PROGRESS_LOG_EVERY_S) -> None:
+    def __init__(
+        self,
+        console: Console,
+        name: str,
+        total_units: int,
+        total_bytes: int,
+        done_units: int = 0,
+        done_bytes: int = 0,
+        unit: str = "files",
+        log_every_s: float = PROGRESS_LOG_EVERY_S,
+    ) -> None:
         self.name = name
         self.log_every_s = log_every_s
         self.unit = unit

@@ -59,8 +59,12 @@ class KeptTokenStats:
 
     def to_summary(self) -> dict:
         """JSON-able, for a file's summary (and its resume marker)."""
-        return {"languages": self.languages, "lengths": sorted(self.lengths.items()),
-                "total_tokens": self.total_tokens, "max_tokens": self.max_tokens}
+        return {
+            "languages": self.languages,
+            "lengths": sorted(self.lengths.items()),
+            "total_tokens": self.total_tokens,
+            "max_tokens": self.max_tokens,
+        }
 
     def merge(self, summary: Mapping) -> None:
         for lang, (docs, words, tokens) in summary["languages"].items():
@@ -76,8 +80,10 @@ class KeptTokenStats:
     def fertility(self) -> dict[str, dict]:
         """Per language (most documents first): docs, words, tokens and tokens per word."""
         rows = sorted(self.languages.items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return {lang: {"docs": d, "words": w, "tokens": t, "tokens_per_word": round(t / w, 4) if w else None}
-                for lang, (d, w, t) in rows}
+        return {
+            lang: {"docs": d, "words": w, "tokens": t, "tokens_per_word": round(t / w, 4) if w else None}
+            for lang, (d, w, t) in rows
+        }
 
     def length_distribution(self) -> dict:
         """count, mean, p50, p90, p99 (nearest rank over the histogram), max of tokens per kept document."""
@@ -188,28 +194,44 @@ def render_markdown(report: dict) -> str:
             f"| {s['name']} | {s['docs_in']} | {s['docs_out']} | {s['dropped']} | {s['drop_rate']:.1%} "
             f"| {s['seconds']:.2f} | {top} | {_counts_text(s)} |"
         )
-    lines += ["", "Accounting: input.records = kept documents + all drops "
-              f"({inp['records']} = {out['docs']} + {sum(s['dropped'] for s in report['stages'])})."]
+    lines += [
+        "",
+        "Accounting: input.records = kept documents + all drops "
+        f"({inp['records']} = {out['docs']} + {sum(s['dropped'] for s in report['stages'])}).",
+    ]
     lengths = report.get("doc_tokens")
     if lengths and lengths.get("count"):
-        lines += ["", f"Tokens per kept document: mean {lengths['mean']:.1f}, p50 {lengths['p50']}, p90 "
-                      f"{lengths['p90']}, p99 {lengths['p99']}, max {lengths['max']} ({lengths['count']} documents)."]
+        lines += [
+            "",
+            f"Tokens per kept document: mean {lengths['mean']:.1f}, p50 {lengths['p50']}, p90 "
+            f"{lengths['p90']}, p99 {lengths['p99']}, max {lengths['max']} ({lengths['count']} documents).",
+        ]
     fertility = report.get("fertility")
     if fertility:
         lines += ["", "| language | docs | words | tokens | tokens per word |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {lang} | {f['docs']} | {f['words']} | {f['tokens']} | "
-                  f"{f['tokens_per_word'] if f['tokens_per_word'] is not None else '-'} |"
-                  for lang, f in fertility.items()]
+        lines += [
+            f"| {lang} | {f['docs']} | {f['words']} | {f['tokens']} | "
+            f"{f['tokens_per_word'] if f['tokens_per_word'] is not None else '-'} |"
+            for lang, f in fertility.items()
+        ]
     model = (report.get("classifier") or {}).get("model")
     if model:
-        lines += ["", f"Quality classifier: `{model['path']}` (sha256 {model['sha256'][:16]}…), keeps P(hq) ≥ "
-                      f"{report['classifier']['threshold']}."]
+        lines += [
+            "",
+            f"Quality classifier: `{model['path']}` (sha256 {model['sha256'][:16]}…), keeps P(hq) ≥ "
+            f"{report['classifier']['threshold']}.",
+        ]
     decont = report.get("decontamination", {})
     if decont.get("eval_sets"):
-        lines += ["", f"Decontamination ({decont['ngram']}-grams, {decont['action']}, min {decont['min_matches']} "
-                      "match):"]
-        lines += [f"- {e['name']} (`{e['path']}`, {e['items']} items, {e['ngrams']} n-grams): "
-                  f"{e['matched_docs']} documents matched" for e in decont["eval_sets"]]
+        lines += [
+            "",
+            f"Decontamination ({decont['ngram']}-grams, {decont['action']}, min {decont['min_matches']} match):",
+        ]
+        lines += [
+            f"- {e['name']} (`{e['path']}`, {e['items']} items, {e['ngrams']} n-grams): "
+            f"{e['matched_docs']} documents matched"
+            for e in decont["eval_sets"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -225,14 +247,29 @@ def _counts_text(stage: dict) -> str:
 def print_summary(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title="pipeline report", show_lines=False)
-    for col, justify in [("stage", "left"), ("in", "right"), ("out", "right"), ("dropped", "right"),
-                         ("rate", "right"), ("s", "right"), ("top reasons", "left")]:
+    for col, justify in [
+        ("stage", "left"),
+        ("in", "right"),
+        ("out", "right"),
+        ("dropped", "right"),
+        ("rate", "right"),
+        ("s", "right"),
+        ("top reasons", "left"),
+    ]:
         table.add_column(col, justify=justify)
     for s in report["stages"]:
-        top = "; ".join(t for t in (", ".join(f"{r} ({n})" for r, n in list(s["reasons"].items())[:3]),
-                                     _counts_text(s)) if t)
-        table.add_row(s["name"], str(s["docs_in"]), str(s["docs_out"]), str(s["dropped"]),
-                      f"{s['drop_rate']:.1%}", f"{s['seconds']:.2f}", top)
+        top = "; ".join(
+            t for t in (", ".join(f"{r} ({n})" for r, n in list(s["reasons"].items())[:3]), _counts_text(s)) if t
+        )
+        table.add_row(
+            s["name"],
+            str(s["docs_in"]),
+            str(s["docs_out"]),
+            str(s["dropped"]),
+            f"{s['drop_rate']:.1%}",
+            f"{s['seconds']:.2f}",
+            top,
+        )
     console.print(table)
     inp, out, thr = report["input"], report["output"], report["throughput"]
     console.print(
@@ -244,5 +281,7 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     lengths, fertility = report.get("doc_tokens") or {}, report.get("fertility") or {}
     if lengths.get("count"):
         per_word = ", ".join(f"{lang} {f['tokens_per_word']}" for lang, f in list(fertility.items())[:5])
-        console.print(f"tokens per kept document: p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
-                      f"max {lengths['max']} | tokens per word: {per_word}")
+        console.print(
+            f"tokens per kept document: p50 {lengths['p50']}, p90 {lengths['p90']}, p99 {lengths['p99']}, "
+            f"max {lengths['max']} | tokens per word: {per_word}"
+        )

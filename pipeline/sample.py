@@ -32,16 +32,22 @@ def pick(num_rows: int, n: int, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(num_rows), min(n, num_rows)))
 
 
-def print_sample(output: str, n: int, rejected: bool, stage: str | None, reason: str | None, seed: int,
-                 chars: int, console: Console | None = None) -> None:
+def print_sample(
+    output: str,
+    n: int,
+    rejected: bool,
+    stage: str | None,
+    reason: str | None,
+    seed: int,
+    chars: int,
+    console: Console | None = None,
+) -> None:
     console = console or Console()
     table = load_rows(output, rejected, stage, reason)
     rows = table.take(pick(table.num_rows, n, seed)).to_pylist() if table.num_rows else []
     console.print(f"{len(rows)} of {table.num_rows} {'rejected' if rejected else 'kept'} documents (seed {seed})")
     for row in rows:
-        signals = ", ".join(
-            f"{k}={row[k]:.3g}" for k in QUALITY_SIGNALS if row.get(k) is not None
-        )
+        signals = ", ".join(f"{k}={row[k]:.3g}" for k in QUALITY_SIGNALS if row.get(k) is not None)
         head = f"{row['url']}\n{row['warc_record_id']}  language={row['language']} ({row['language_score'] or 0:.2f})"
         masked = ", ".join(f"{k}={row.get(f'pii_{k}')}" for k in PII_TYPES if row.get(f"pii_{k}"))
         if masked:

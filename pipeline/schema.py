@@ -14,8 +14,18 @@ from pipeline.steps.quality_classifier import SCORE_COLUMN
 
 # Stage order is the order of the report and of the steps (pipeline.file_tasks.filter_steps runs the ones before
 # dedup). url_filter comes right after extract: it needs only the URL and spares blocked pages every later step.
-STAGES = ("extract", "url_filter", "language", "quality", "classifier", "decontamination", "pii", "dedup_exact",
-          "dedup_minhash", "tokenize")
+STAGES = (
+    "extract",
+    "url_filter",
+    "language",
+    "quality",
+    "classifier",
+    "decontamination",
+    "pii",
+    "dedup_exact",
+    "dedup_minhash",
+    "tokenize",
+)
 
 RECORD_FIELDS = [
     pa.field("source", pa.string()),
@@ -50,11 +60,11 @@ DEDUP_FIELDS = [
     pa.field("shingles", pa.list_(pa.uint64())),  # sorted shingle hashes, only when minhash.verify = jaccard
 ]
 
-DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD,
-                        *WORK_FIELDS])
+DOC_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS])
 # work/filtered/NNNNN.parquet: every record of one input file after the filter steps (extract … pii), with keys.
-FILTERED_SCHEMA = pa.schema([*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD,
-                             *DEDUP_FIELDS])
+FILTERED_SCHEMA = pa.schema(
+    [*RECORD_FIELDS, *SIGNAL_FIELDS, *ANNOTATION_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *DEDUP_FIELDS]
+)
 
 # documents/*.parquet and rejected/*.parquet (docs/formats.md): provenance, language, signals, annotations, text
 # (+ decision).

@@ -92,8 +92,15 @@ class _ShortRead(ConnectionError):
 
 _HTTP_STATUS = re.compile(r"HTTP status (\d{3})")
 _AWS_ERROR = re.compile(r"AWS Error (\w+)")
-_AWS_TRANSIENT = {"NETWORK_CONNECTION", "SLOW_DOWN", "THROTTLING", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE",
-                  "REQUEST_TIMEOUT", "REQUEST_TIME_TOO_SKEWED"}
+_AWS_TRANSIENT = {
+    "NETWORK_CONNECTION",
+    "SLOW_DOWN",
+    "THROTTLING",
+    "SERVICE_UNAVAILABLE",
+    "INTERNAL_FAILURE",
+    "REQUEST_TIMEOUT",
+    "REQUEST_TIME_TOO_SKEWED",
+}
 
 
 def _transient_status(status: int) -> bool:
@@ -149,8 +156,13 @@ def _backoff_s(retry: RetryConfig, failures: int) -> float:
     return delay * random.uniform(0.5, 1.0)  # jitter: parallel readers hit by the same outage spread out
 
 
-def _with_retries(what: str, fn: Callable[[], T], retry: RetryConfig,
-                  on_failure: Callable[[], None] | None = None, on_retry: Callable[[], None] | None = None) -> T:
+def _with_retries(
+    what: str,
+    fn: Callable[[], T],
+    retry: RetryConfig,
+    on_failure: Callable[[], None] | None = None,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
     failures = 0
     while True:
         try:
@@ -208,16 +220,21 @@ def _http_filesystem(retry: RetryConfig):
 # ---- listing ----
 
 
-def list_inputs(input: str | None = None, input_list: str | None = None, base_url: str | None = None,
-                retry: RetryConfig | None = None) -> list[InputFile]:
+def list_inputs(
+    input: str | None = None,
+    input_list: str | None = None,
+    base_url: str | None = None,
+    retry: RetryConfig | None = None,
+) -> list[InputFile]:
     """The input files, in a deterministic order: ``input`` (a local directory or glob, an ``s3://`` prefix or
     glob, an ``http(s)://`` URL) sorted by path, or the lines of the paths listing ``input_list`` in their order."""
     retry = retry or RetryConfig()
     input = None if input is None else os.fspath(input)
     input_list = None if input_list is None else os.fspath(input_list)
     if (input is None) == (input_list is None):
-        raise PipelineInputError("give exactly one of an input (path, glob, s3://, gs:// or http(s):// URL) or an "
-                                 "input list")
+        raise PipelineInputError(
+            "give exactly one of an input (path, glob, s3://, gs:// or http(s):// URL) or an input list"
+        )
     if input is not None:
         if base_url is not None:
             raise PipelineInputError(f"{base_url}: a base URL applies only to an input list, not to {input}")
@@ -242,8 +259,12 @@ def _list_local(pattern: str) -> list[InputFile]:
     if _GLOB_CHARS.search(path):
         found = [p for p in glob.glob(path, recursive=True) if os.path.isfile(p)]
     elif os.path.isdir(path):
-        found = [os.path.join(d, name) for d, _, names in os.walk(path) for name in names
-                 if name.endswith(WET_SUFFIXES) and os.path.isfile(os.path.join(d, name))]
+        found = [
+            os.path.join(d, name)
+            for d, _, names in os.walk(path)
+            for name in names
+            if name.endswith(WET_SUFFIXES) and os.path.isfile(os.path.join(d, name))
+        ]
     elif os.path.isfile(path):
         found = [path]
     else:
@@ -268,16 +289,22 @@ def _list_object_store(pattern: str, retry: RetryConfig) -> list[InputFile]:
         base = key[: key.rfind("/", 0, m.start()) + 1]
         matcher = re.compile(glob_translate(f"{bucket}/{key}"))
         selector = pafs.FileSelector(f"{bucket}/{base}".rstrip("/"), recursive=True, allow_not_found=True)
-        infos = [i for i in retried(lambda: fs.get_file_info(selector))
-                 if i.type == pafs.FileType.File and matcher.match(i.path)]
+        infos = [
+            i
+            for i in retried(lambda: fs.get_file_info(selector))
+            if i.type == pafs.FileType.File and matcher.match(i.path)
+        ]
     else:
         single = retried(lambda: fs.get_file_info(f"{bucket}/{key}")) if key and not key.endswith("/") else None
         if single is not None and single.type == pafs.FileType.File:
             infos = [single]
         else:
             selector = pafs.FileSelector(f"{bucket}/{key}".rstrip("/"), recursive=True, allow_not_found=True)
-            infos = [i for i in retried(lambda: fs.get_file_info(selector))
-                     if i.type == pafs.FileType.File and i.base_name.endswith(WET_SUFFIXES)]
+            infos = [
+                i
+                for i in retried(lambda: fs.get_file_info(selector))
+                if i.type == pafs.FileType.File and i.base_name.endswith(WET_SUFFIXES)
+            ]
     if not infos:
         raise _no_match(pattern)
     return [InputFile(f"{scheme}://{i.path}", i.size) for i in sorted(infos, key=lambda i: i.path)]
@@ -314,8 +341,9 @@ def _list_listing(listing: str, base_url: str | None, retry: RetryConfig) -> lis
         elif scheme == "file" or os.path.isabs(entry):
             uri = os.path.abspath(_local_path(entry))
         elif base_url is None:
-            raise PipelineInputError(f"{listing}:{number}: {entry!r} is a relative path; give a base URL "
-                                     "(--base-url) to join it to")
+            raise PipelineInputError(
+                f"{listing}:{number}: {entry!r} is a relative path; give a base URL (--base-url) to join it to"
+            )
         else:
             uri = _join(base_url, entry)
         files.append(InputFile(uri, None))
@@ -387,8 +415,9 @@ class _HTTPHandle:
         self._fh = None
         try:
             # Built directly rather than with fs.open(), which first probes the size with a HEAD request.
-            self._fh = HTTPStreamFile(fs, url, mode="rb", loop=fs.loop, session=sync(fs.loop, fs.set_session),
-                                      headers=headers)
+            self._fh = HTTPStreamFile(
+                fs, url, mode="rb", loop=fs.loop, session=sync(fs.loop, fs.set_session), headers=headers
+            )
         except aiohttp.ClientResponseError as err:
             if err.status == 416 and offset:  # resuming exactly at the end: nothing left to read
                 return
@@ -400,8 +429,9 @@ class _HTTPHandle:
             m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
             if m is None or int(m.group(1)) != offset:
                 self.close()
-                raise PipelineInputError(f"{url}: asked for bytes from {offset}, the server sent "
-                                         f"{response.headers.get('Content-Range')!r}")
+                raise PipelineInputError(
+                    f"{url}: asked for bytes from {offset}, the server sent {response.headers.get('Content-Range')!r}"
+                )
             self.size = None if m.group(2) == "*" else int(m.group(2))
         else:
             self.size = response.content_length  # a 200 is the whole file, whatever Range asked for
@@ -540,8 +570,9 @@ class RetryingReader(io.RawIOBase):
 
 
 @contextmanager
-def open_input(uri: str, retry: RetryConfig | None = None, stats: ReadStats | None = None, *,
-               buffer_size: int | None = None) -> Iterator[BinaryIO]:
+def open_input(
+    uri: str, retry: RetryConfig | None = None, stats: ReadStats | None = None, *, buffer_size: int | None = None
+) -> Iterator[BinaryIO]:
     """Open a local path or an ``s3://`` / ``http(s)://`` URI for reading (see :class:`RetryingReader`)."""
     buffer_size = buffer_size or (REMOTE_BUFFER if is_remote(uri) else LOCAL_BUFFER)
     raw = RetryingReader(uri, retry or RetryConfig(), stats if stats is not None else ReadStats(), buffer_size)

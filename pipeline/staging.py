@@ -87,8 +87,15 @@ class RunPaths:
 class RunStaging:
     """The state of one output's run; see the module docstring."""
 
-    def __init__(self, output: Location | str | Path, config: dict, inputs: list[str], overwrite: bool, resume: bool,
-                 resources: dict | None = None) -> None:
+    def __init__(
+        self,
+        output: Location | str | Path,
+        config: dict,
+        inputs: list[str],
+        overwrite: bool,
+        resume: bool,
+        resources: dict | None = None,
+    ) -> None:
         self.output = output = output if isinstance(output, Location) else Location(output)
         self.paths = RunPaths(output)
         self.path = self.paths.staging
@@ -112,7 +119,8 @@ class RunStaging:
             if unfinished and not overwrite:
                 raise PipelineOutputError(
                     f"{output}: an unfinished run of this output is there ({self.path}); pass --resume to continue "
-                    "it or --overwrite to start over")
+                    "it or --overwrite to start over"
+                )
             if not output.is_empty():
                 if not overwrite:
                     what = "holds a finished pipeline output" if is_published(output, MANIFEST) else "is not empty"
@@ -136,7 +144,8 @@ class RunStaging:
         changed = _differences(old["config"], state["config"])
         if changed:
             raise PipelineInputError(
-                "cannot resume: the config differs from the unfinished run's: " + "; ".join(changed[:5])
+                "cannot resume: the config differs from the unfinished run's: "
+                + "; ".join(changed[:5])
                 + (f" (and {len(changed) - 5} more)" if len(changed) > 5 else "")
             )
         inputs = _input_difference(old["inputs"], state["inputs"])

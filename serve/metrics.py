@@ -221,4 +221,3 @@ def _register_nvml(meter: object, attrs: dict[str, str]) -> bool:
     meter.create_observable_gauge("raylm.gpu.utilization", callbacks=[utilization], unit="1")  # type: ignore[attr-defined]
     meter.create_observable_gauge("raylm.gpu.memory.used", callbacks=[memory], unit="By")  # type: ignore[attr-defined]
     return True
-

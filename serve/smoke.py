@@ -32,8 +32,7 @@ def wait_healthy(base_url: str, timeout: float = 120.0) -> None:
 
 def stream_completion(base_url: str, prompt: str, max_tokens: int, seed: int = 0) -> str:
     """POST a streaming completion and print each server-sent text chunk as it arrives."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed,
-            "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed, "stream": True}
     text = []
     print(f"\n--- streamed completion for {prompt!r} ---\n{prompt}", end="", flush=True)
     with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as resp:
@@ -68,15 +67,21 @@ def run_smoke(base_url: str, prompt: str, max_tokens: int, evalset: str | None, 
         canary = Canary(base_url, load_evalset(evalset), interval=0).run_once()
         result["canary"] = canary
         if canary["status"] == "success":
-            print(f"canary {canary['eval_set']}: score {canary['score']:.3f} nats/token "
-                  f"({canary['items_passed']}/{canary['items_total']} items, lineage {canary['lineage_id']})")
+            print(
+                f"canary {canary['eval_set']}: score {canary['score']:.3f} nats/token "
+                f"({canary['items_passed']}/{canary['items_total']} items, lineage {canary['lineage_id']})"
+            )
         else:
             print(f"canary failed: {canary.get('errors')}")
     print(f"endpoint:   {base_url}/v1/completions   (models: {base_url}/v1/models)")
     for url in metrics_targets(sd_dir):
         print(f"metrics:    {url}")
-    print(f"dashboard:  {REPO / 'dashboards' / 'grafana' / 'raylm-serving.json'} (Grafana provisioning in "
-          f"{REPO / 'dashboards' / 'grafana' / 'provisioning'})")
-    print(f"prometheus: prometheus --config.file={REPO / 'dashboards' / 'prometheus.yml'}  "
-          f"(alert rules: {REPO / 'dashboards' / 'alerts.yml'})")
+    print(
+        f"dashboard:  {REPO / 'dashboards' / 'grafana' / 'raylm-serving.json'} (Grafana provisioning in "
+        f"{REPO / 'dashboards' / 'grafana' / 'provisioning'})"
+    )
+    print(
+        f"prometheus: prometheus --config.file={REPO / 'dashboards' / 'prometheus.yml'}  "
+        f"(alert rules: {REPO / 'dashboards' / 'alerts.yml'})"
+    )
     return result

@@ -17,12 +17,12 @@ def sample_copies(folder: Path, copies: int = 2) -> Path:
             (folder / f"{copy}-{f.name}").write_bytes(f.read_bytes())
     return folder
 
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other test helpers
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
 # without importing them by name into each one.
 pytest_plugins = ["train_fixtures", "serve_fixtures", "no_missing_module_skips", "pytester"]
-
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,10 @@ import pytest
 
 FAKE_KEY_ID = "AKIDRAYLMTEST"
 FAKE_SECRET = "raylm-test-secret"
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 # ---- S3 (moto) ----
@@ -67,16 +69,22 @@ def make_bucket(endpoint: str, bucket: str) -> Any:
     """Create ``bucket`` on ``endpoint`` if it does not exist; returns a boto3 S3 client for that endpoint."""
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=FAKE_KEY_ID,
-                          aws_secret_access_key=FAKE_SECRET)
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=FAKE_KEY_ID,
+        aws_secret_access_key=FAKE_SECRET,
+    )
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     if bucket not in existing:
         client.create_bucket(Bucket=bucket)
     return client
 
 
-def upload_dir(endpoint: str, local_dir: str | Path, bucket: str, prefix: str,
-               files: list[str | Path] | None = None) -> str:
+def upload_dir(
+    endpoint: str, local_dir: str | Path, bucket: str, prefix: str, files: list[str | Path] | None = None
+) -> str:
     """Create ``bucket`` (if needed) and upload ``local_dir``'s files (all, recursively, or ``files``) under
     ``prefix``, keeping their relative paths; return ``s3://bucket/prefix``."""
     client = make_bucket(endpoint, bucket)
@@ -89,8 +97,13 @@ def upload_dir(endpoint: str, local_dir: str | Path, bucket: str, prefix: str,
 
 
 @contextmanager
-def s3_prefix(monkeypatch: pytest.MonkeyPatch, local_dir: str | Path, prefix: str = "sample",
-              bucket: str | None = None, endpoint: str | None = None) -> Iterator[str]:
+def s3_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+    local_dir: str | Path,
+    prefix: str = "sample",
+    bucket: str | None = None,
+    endpoint: str | None = None,
+) -> Iterator[str]:
     """``local_dir`` uploaded to a moto S3 server (a new one unless ``endpoint`` is given) with the AWS
     environment pointing at it; yields ``s3://bucket/prefix``."""
     bucket = bucket or f"raylm-{uuid.uuid4().hex[:12]}"
@@ -149,8 +162,15 @@ class FaultyServer:
     def record(self, handler: SimpleHTTPRequestHandler, status: int) -> None:
         path = urlsplit(handler.path).path
         with self._lock:
-            self.log.append(Request(handler.command, path, handler.headers.get("Range"), status,
-                                    {k.lower(): v for k, v in handler.headers.items()}))
+            self.log.append(
+                Request(
+                    handler.command,
+                    path,
+                    handler.headers.get("Range"),
+                    status,
+                    {k.lower(): v for k, v in handler.headers.items()},
+                )
+            )
 
 
 def _reset(connection: socket.socket) -> None:
@@ -266,8 +286,7 @@ class _ProxyHandler(_FaultyHandler):
             conn.close()
         self.send_response(response.status)
         for key, value in response.getheaders():
-            if key.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length", "date",
-                                   "server"):
+            if key.lower() not in ("connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"):
                 self.send_header(key, value)
         length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(body))
         self.send_header("Content-Length", length or "0")
@@ -298,6 +317,7 @@ def _serve(handler: type[_FaultyHandler], plan: FaultPlan | None, **attrs) -> It
 @contextmanager
 def http_server(root: str | Path, plan: FaultPlan | None = None) -> Iterator[FaultyServer]:
     """Serve ``root`` on 127.0.0.1 (a free port) with Range support and ``plan``'s faults; ``.base_url``."""
+
     class Rooted(_DirectoryHandler):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, directory=str(root), **kwargs)

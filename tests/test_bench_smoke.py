@@ -24,8 +24,9 @@ LIMIT_S = 300  # a subprocess that hangs fails the test instead of the whole run
 
 
 def run_script(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=LIMIT_S,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=LIMIT_S, check=False
+    )
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     )
@@ -71,8 +72,9 @@ def html_tree(tmp_path_factory, ccnet_texts) -> Path:
 
 def test_debian_warc_from_local_html_is_deterministic_and_readable(tmp_path, html_tree):
     out = tmp_path / "warc"
-    proc = run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
-                      "--html-dir", str(html_tree))
+    proc = run_script(
+        str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2", "--html-dir", str(html_tree)
+    )
     assert json.loads(proc.stdout)["files"] == 2
     assert "sources exhausted" in proc.stderr  # 5 MB asked, the tree is smaller: says so, writes what there is
     files = sorted(out.glob("*.warc.gz"))
@@ -100,17 +102,29 @@ def test_debian_warc_from_local_html_is_deterministic_and_readable(tmp_path, htm
 
     # Same inputs, same bytes; a rerun reuses the set, --force rebuilds it identically.
     before = [sha256(f) for f in files]
-    reuse = run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
-                       "--html-dir", str(html_tree))
+    reuse = run_script(
+        str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2", "--html-dir", str(html_tree)
+    )
     assert "reusing" in reuse.stderr
-    run_script(str(BENCH / "debian_warc.py"), "--out", str(out), "--mb", "5", "--files", "2",
-               "--html-dir", str(html_tree), "--force")
+    run_script(
+        str(BENCH / "debian_warc.py"),
+        "--out",
+        str(out),
+        "--mb",
+        "5",
+        "--files",
+        "2",
+        "--html-dir",
+        str(html_tree),
+        "--force",
+    )
     assert [sha256(f) for f in sorted(out.glob("*.warc.gz"))] == before
 
     # A size limit stops early: fewer records, at least the size asked for.
     small = tmp_path / "small"
-    run_script(str(BENCH / "debian_warc.py"), "--out", str(small), "--mb", "0.02", "--files", "2",
-               "--html-dir", str(html_tree))
+    run_script(
+        str(BENCH / "debian_warc.py"), "--out", str(small), "--mb", "0.02", "--files", "2", "--html-dir", str(html_tree)
+    )
     small_meta = json.loads((small / "debian-warc.json").read_text())
     assert 0 < small_meta["records"] < 21 and small_meta["total_bytes"] >= 20_000
 
@@ -120,14 +134,29 @@ def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
     """One --smoke invocation runs every section once: floor, ours, datatrove, driver RSS at
     1x (the throughput run) and 2x, MinHash. Input: a debian_warc set built from local HTML, plus data/sample."""
     warc = tmp_path / "warc"
-    run_script(str(BENCH / "debian_warc.py"), "--out", str(warc), "--mb", "1", "--files", "2",
-               "--html-dir", str(html_tree))
+    run_script(
+        str(BENCH / "debian_warc.py"), "--out", str(warc), "--mb", "1", "--files", "2", "--html-dir", str(html_tree)
+    )
     results = tmp_path / "bench.json"
-    proc = run_script(str(BENCH / "pipeline_bench.py"), "--smoke", "--warc-dir", str(warc), "--with-sample",
-                      "--json", str(results), "--workdir", str(tmp_path / "work"))
+    proc = run_script(
+        str(BENCH / "pipeline_bench.py"),
+        "--smoke",
+        "--warc-dir",
+        str(warc),
+        "--with-sample",
+        "--json",
+        str(results),
+        "--workdir",
+        str(tmp_path / "work"),
+    )
     out = proc.stdout
-    for heading in ("## Pipeline benchmark", "### Throughput", "### Ours per stage",
-                    "### Driver peak RSS, 1x vs 2x input", "### MinHash-LSH"):
+    for heading in (
+        "## Pipeline benchmark",
+        "### Throughput",
+        "### Ours per stage",
+        "### Driver peak RSS, 1x vs 2x input",
+        "### MinHash-LSH",
+    ):
         assert heading in out, out
     assert "| read-only floor, 2 procs |" in out and "| **ours** |" in out  # floor and ours rows
     assert "parallel efficiency" in out and "ms/doc in" in out
@@ -154,12 +183,27 @@ def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
 
 @pytest.mark.ray
 def test_serve_bench_smoke(tmp_path):
-    proc = run_script(str(BENCH / "serve_bench.py"), "--random-model", str(tmp_path / "model"), "--concurrency", "1",
-                      "--requests", "2", "--max-tokens", "4", "--output", str(tmp_path / "serve.json"))
+    proc = run_script(
+        str(BENCH / "serve_bench.py"),
+        "--random-model",
+        str(tmp_path / "model"),
+        "--concurrency",
+        "1",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "4",
+        "--output",
+        str(tmp_path / "serve.json"),
+    )
     assert "| serve | unbatched | 1 | 2 |" in proc.stdout and "batched/unbatched tokens/s" in proc.stdout
     levels = json.loads((tmp_path / "serve.json").read_text())
-    assert {(r["mode"], r["batched"]) for r in levels} == {("engine", True), ("engine", False), ("serve", True),
-                                                           ("serve", False)}
+    assert {(r["mode"], r["batched"]) for r in levels} == {
+        ("engine", True),
+        ("engine", False),
+        ("serve", True),
+        ("serve", False),
+    }
 
 
 def test_checkpoint_bench_smoke(tmp_path):
@@ -176,8 +220,10 @@ def test_train_bench_smoke(tmp_path):
     assert "### Train-loop throughput" in proc.stdout and "### Training state held per rank" in proc.stdout
     assert "| demo (vocab 512) | " in proc.stdout and "GPT-2 small" not in proc.stdout
     memory = json.loads((out / "train_bench.json").read_text())["memory"]
-    assert {(row["model"], row["strategy"]) for row in memory} == {("demo (vocab 512)", "ddp"),
-                                                                   ("demo (vocab 512)", "fsdp")}
+    assert {(row["model"], row["strategy"]) for row in memory} == {
+        ("demo (vocab 512)", "ddp"),
+        ("demo (vocab 512)", "fsdp"),
+    }
     assert all(len(row["per_rank"]) == 2 for row in memory)
     assert (out / "train_bench.png").is_file()
 
@@ -197,8 +243,15 @@ def test_loader_bench_smoke(tmp_path, token_dir):
 
 
 def test_language_prefix_bench_smoke():
-    proc = run_script(str(BENCH / "language_prefix.py"), "--input", str(REPO / "data" / "sample"), "--rounds", "1",
-                      "--prefixes", "1000")
+    proc = run_script(
+        str(BENCH / "language_prefix.py"),
+        "--input",
+        str(REPO / "data" / "sample"),
+        "--rounds",
+        "1",
+        "--prefixes",
+        "1000",
+    )
     assert "| prefix (chars) | time / whole text" in proc.stdout and "| 1,000 | " in proc.stdout
 
 
@@ -206,8 +259,9 @@ def test_language_prefix_bench_smoke():
 def test_recovery_bench_smoke(tmp_path):
     # --smoke: 20 steps, 1 round; one scenario (a fixed group, a replacement node), the smallest whole measurement:
     # a multi-node cluster, a node killed after the first checkpoint, the restart timed from the bucket.
-    proc = run_script(str(BENCH / "recovery_bench.py"), "--smoke", "--scenarios", "fixed", "--json",
-                      str(tmp_path / "recovery.json"))
+    proc = run_script(
+        str(BENCH / "recovery_bench.py"), "--smoke", "--scenarios", "fixed", "--json", str(tmp_path / "recovery.json")
+    )
     assert "### Recovery from a lost worker node" in proc.stdout and "| fixed | 1 |" in proc.stdout, proc.stdout
     (run,) = json.loads((tmp_path / "recovery.json").read_text())
     assert run["scenario"] == "fixed" and run["recovery_s"] > 0
@@ -219,8 +273,9 @@ def test_recovery_pipeline_bench_smoke(tmp_path):
     # --smoke: 1 round; one scenario (the node holding a dedup index shard lost mid-pass, a replacement added) and
     # its reference run: a multi-node cluster, two pipeline jobs over the moto bucket, the rebuild timed.
     results = tmp_path / "recovery-pipeline.json"
-    proc = run_script(str(BENCH / "recovery_pipeline_bench.py"), "--smoke", "--scenarios", "dedup", "--json",
-                      str(results))
+    proc = run_script(
+        str(BENCH / "recovery_pipeline_bench.py"), "--smoke", "--scenarios", "dedup", "--json", str(results)
+    )
     assert "### Recovery from a lost worker node: pipeline run" in proc.stdout, proc.stdout
     assert "| dedup | " in proc.stdout and "loss → progress s" in proc.stdout, proc.stdout
     reference, dedup = json.loads(results.read_text())

@@ -71,8 +71,12 @@ def ray_cluster() -> Iterator[str]:
 
 def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: object):
     overrides = tiny_overrides(data, out, steps=STEPS)
-    overrides |= {"parallel.strategy": strategy, "parallel.workers": workers, "checkpoint.interval_steps": 2,
-                  "model.dropout": 0.1}
+    overrides |= {
+        "parallel.strategy": strategy,
+        "parallel.workers": workers,
+        "checkpoint.interval_steps": 2,
+        "model.dropout": 0.1,
+    }
     return load_config(None, overrides | extra)
 
 

@@ -33,11 +33,17 @@ pytestmark = pytest.mark.ray
 COPIES = 2  # the sample twice: 12 input files, so a pass can be caught part-way
 # The demo config with its files named by absolute path (job drivers run in another directory), and small dedup
 # batches, so the dedup pass sends many batches and lasts long enough to lose a node in it.
-CONFIG = ["--config", str(REPO / "pipeline/configs/demo.yaml"),
-          "--set", f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
-          "--set", f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
-          "fields: [question]}]",
-          "--set", "execution.batch_size=8"]
+CONFIG = [
+    "--config",
+    str(REPO / "pipeline/configs/demo.yaml"),
+    "--set",
+    f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
+    "--set",
+    f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
+    "fields: [question]}]",
+    "--set",
+    "execution.batch_size=8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,7 @@ def stored(uri: str) -> dict[str, bytes]:
     fs, base = pafs.FileSystem.from_uri(uri)
     out = {}
     for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
-        name = info.path[len(base) + 1:]
+        name = info.path[len(base) + 1 :]
         if info.type == pafs.FileType.File and not name.startswith("report."):
             with fs.open_input_stream(info.path) as fh:
                 out[name] = fh.read()
@@ -88,8 +94,10 @@ def index_shard_node(cluster: MultiNodeCluster) -> str | None:
 
     workers = {w.node_id for w in cluster.workers}
     actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
-    return next((a.node_id for a in actors
-                 if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers), None)
+    return next(
+        (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
+        None,
+    )
 
 
 def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(cluster, inputs, reference):
@@ -111,8 +119,9 @@ def lose_a_node_in_the_filter_pass(cluster: MultiNodeCluster, inputs: str, uri: 
     through the filter pass; returns the job's id."""
     cluster.ensure_workers(2)
     job = pipeline_job(cluster, inputs, uri)
-    done = wait_for(lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300,
-                    "two files through the filter pass")
+    done = wait_for(
+        lambda: len(markers(uri, "filter-")) >= 2 and markers(uri, "filter-"), 300, "two files through the filter pass"
+    )
     assert len(done) < COPIES * len(list(SAMPLE.iterdir())), "the filter pass ended before a node could be lost in it"
     cluster.kill_node(cluster.workers[0])
     return job
@@ -146,16 +155,44 @@ def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, refe
     cluster.ensure_workers(2)
     data, run, model = (f"{cluster.bucket}/{name}" for name in ("out/reference", "runs/chain", "models/chain"))
     steps = 4
-    train = cluster.wait_job(cluster.submit(python_module(
-        "train", "--data", data, "--output", run, "--strategy", "ddp", "--workers", "2", "--steps", str(steps),
-        "--config", str(REPO / "train/configs/demo.yaml"), "--set", "parallel.cpus_per_worker=2",
-        "--set", "metrics.prometheus=false", "--address", "auto")), 600)
+    train = cluster.wait_job(
+        cluster.submit(
+            python_module(
+                "train",
+                "--data",
+                data,
+                "--output",
+                run,
+                "--strategy",
+                "ddp",
+                "--workers",
+                "2",
+                "--steps",
+                str(steps),
+                "--config",
+                str(REPO / "train/configs/demo.yaml"),
+                "--set",
+                "parallel.cpus_per_worker=2",
+                "--set",
+                "metrics.prometheus=false",
+                "--address",
+                "auto",
+            )
+        ),
+        600,
+    )
     assert train.status == JobStatus.SUCCEEDED, train.logs[-4000:]
     export = cluster.wait_job(cluster.submit(python_module("train.export", "--run", run, "--output", model)), 300)
     assert export.status == JobStatus.SUCCEEDED, export.logs[-4000:]
     # One proxy, on the head: the worker nodes share this machine's loopback, so a proxy each would share a port.
-    serve = cluster.wait_job(cluster.submit(python_module(
-        "serve", "--model", model, "--port", str(free_port()), "--proxy-location", "HeadOnly", "--smoke")), 600)
+    serve = cluster.wait_job(
+        cluster.submit(
+            python_module(
+                "serve", "--model", model, "--port", str(free_port()), "--proxy-location", "HeadOnly", "--smoke"
+            )
+        ),
+        600,
+    )
     assert serve.status == JobStatus.SUCCEEDED, serve.logs[-4000:]
     assert "--- streamed completion for 'The history of the' ---" in serve.logs
 

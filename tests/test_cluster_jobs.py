@@ -38,10 +38,24 @@ def head(tmp_path_factory):
     # Job entrypoints say `python`: make it this environment's, as an activated venv would.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-         "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={free_port()}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard}"
     deadline = time.monotonic() + 120
@@ -61,8 +75,19 @@ def head(tmp_path_factory):
 
 
 def submit(address: str, env: dict, *entrypoint: str) -> str:
-    cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--runtime-env",
-           str(RUNTIME_ENV), "--", *entrypoint]
+    cmd = [
+        RAY,
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--working-dir",
+        str(REPO),
+        "--runtime-env",
+        str(RUNTIME_ENV),
+        "--",
+        *entrypoint,
+    ]
     for _ in range(30):
         result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         # The job server answers before the head's job agent is up; Ray says so and asks to retry.
@@ -78,13 +103,42 @@ def test_pipeline_and_training_jobs_run_on_a_started_cluster(head, tmp_path):
     address, env = head
     data, run = tmp_path / "data", tmp_path / "run"
     # Relative input: it resolves inside the uploaded working directory on the cluster.
-    submit(address, env, "python", "-m", "pipeline", "run", "--input", "data/sample", "--output", str(data),
-           "--config", "pipeline/configs/demo.yaml")
+    submit(
+        address,
+        env,
+        "python",
+        "-m",
+        "pipeline",
+        "run",
+        "--input",
+        "data/sample",
+        "--output",
+        str(data),
+        "--config",
+        "pipeline/configs/demo.yaml",
+    )
     manifest = json.loads((data / "manifest.json").read_text())
     assert sum(s["tokens"] for s in manifest["shards"]) > 10_000
 
-    submit(address, env, "python", "-m", "train", "--data", str(data), "--output", str(run), "--strategy", "fsdp",
-           "--workers", "2", "--steps", "4", "--config", "train/configs/demo.yaml")
+    submit(
+        address,
+        env,
+        "python",
+        "-m",
+        "train",
+        "--data",
+        str(data),
+        "--output",
+        str(run),
+        "--strategy",
+        "fsdp",
+        "--workers",
+        "2",
+        "--steps",
+        "4",
+        "--config",
+        "train/configs/demo.yaml",
+    )
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert sorted({m["step"] for m in steps}) == [0, 1, 2, 3] and steps[-1]["world_size"] == 2
@@ -94,8 +148,14 @@ def test_pipeline_and_training_jobs_run_on_a_started_cluster(head, tmp_path):
     # largest rank's bytes exactly (both count the same tensors of the same model), the other within padding.
     model = yaml.safe_load((run / "config.yaml").read_text())["model"]
     predicted = predict_trainer_state_bytes(
-        model["n_layer"], model["n_head"], model["n_embd"], model["block_size"],
-        manifest["tokenizer"]["vocab_size"], model["bias"], "fsdp", 2,
+        model["n_layer"],
+        model["n_head"],
+        model["n_embd"],
+        model["block_size"],
+        manifest["tokenizer"]["vocab_size"],
+        model["bias"],
+        "fsdp",
+        2,
     )
     measured = steps[-1]["state_bytes"]
     assert max(measured) == predicted and min(measured) >= 0.95 * predicted, (predicted, measured)

@@ -245,8 +245,16 @@ def test_gpu_aliases_and_table() -> None:
     assert lookup_gpu("A100 80GB").name == "A100-80GB"
     assert lookup_gpu("H100 PCIe").name == "H100-80GB-PCIe"
     assert set(GPUS) == {
-        "A100-40GB", "A100-80GB", "H100-80GB-SXM", "H100-80GB-PCIe", "H100-94GB-NVL", "H200", "L4", "L40S",
-        "A10", "A10G",
+        "A100-40GB",
+        "A100-80GB",
+        "H100-80GB-SXM",
+        "H100-80GB-PCIe",
+        "H100-94GB-NVL",
+        "H200",
+        "L4",
+        "L40S",
+        "A10",
+        "A10G",
     }
     # Dense BF16 is half the datasheet's with-sparsity figure (H100 SXM: 1979 → 989).
     assert GPUS["H100-80GB-SXM"].bf16_dense_flops == 989e12

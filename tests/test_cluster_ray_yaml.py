@@ -174,11 +174,20 @@ def test_pipeline_snippet_passes_the_glob_through_unexpanded(tmp_path: Path) -> 
 def test_snippets_hand_data_over_through_root_and_refuse_to_run_without_it(snippet: Path, tmp_path: Path) -> None:
     calls = _recorded_submissions(snippet, tmp_path, SNIPPET_ENV)
     # Every path a stage writes or reads from another stage is under ROOT: no node-local path crosses a job.
-    handed = [a for argv in calls for flag, a in itertools.pairwise(argv)
-              if flag in ("--output", "--data", "--run", "--model")]
+    handed = [
+        a
+        for argv in calls
+        for flag, a in itertools.pairwise(argv)
+        if flag in ("--output", "--data", "--run", "--model")
+    ]
     assert handed and all(a.startswith("s3://bucket/raylm/") for a in handed), handed
-    missing = subprocess.run(["bash", str(snippet)], cwd=ROOT, capture_output=True, text=True,
-                             env={"PATH": "/usr/bin:/bin", **{k: v for k, v in SNIPPET_ENV.items() if k != "ROOT"}})
+    missing = subprocess.run(
+        ["bash", str(snippet)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **{k: v for k, v in SNIPPET_ENV.items() if k != "ROOT"}},
+    )
     assert missing.returncode != 0 and "ROOT=s3://" in missing.stderr
 
 

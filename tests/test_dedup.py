@@ -148,8 +148,10 @@ def test_planted_near_duplicates_precision_and_recall(ccnet_texts, verify):
     metrics = pair_metrics(docs, dropped, threshold=0.8, ngram=5, shingles=word_ngrams)
     assert metrics.near_miss_pairs > 100 and metrics.true_pairs > 100  # both sides of the threshold are present
     assert metrics.precision >= 0.95 and metrics.recall >= 0.95, metrics
-    unverified = deduplicate([doc(i, t) for i, t in docs], config.model_copy(
-        update={"minhash": config.minhash.model_copy(update={"verify": "none"})}))
+    unverified = deduplicate(
+        [doc(i, t) for i, t in docs],
+        config.model_copy(update={"minhash": config.minhash.model_copy(update={"verify": "none"})}),
+    )
     unverified_dropped = {r["warc_record_id"]: r["duplicate_of"] for r in unverified if r.get("reason")}
     # Verification is what helps.
     assert pair_metrics(docs, unverified_dropped, 0.8, 5, word_ngrams).precision < metrics.precision

@@ -132,19 +132,23 @@ def _write_responses(path, responses):
         writer = WARCWriter(fh, gzip=True)
         for name, status, content_type, body in responses:
             http = StatusAndHeaders(status, [("Content-Type", content_type)], protocol="HTTP/1.1")
-            record = writer.create_warc_record(f"https://example.org/{name}", "response", payload=io.BytesIO(body),
-                                               http_headers=http)
+            record = writer.create_warc_record(
+                f"https://example.org/{name}", "response", payload=io.BytesIO(body), http_headers=http
+            )
             writer.write_record(record)
 
 
 def test_http_status_and_non_html_responses_are_named_drops(tmp_path):
     page = b"<html><body><p>" + b"A real paragraph of text about the town library. " * 10 + b"</p></body></html>"
     path = tmp_path / "crawl.warc.gz"
-    _write_responses(path, [
-        ("ok", "200 OK", "text/html; charset=utf-8", page),
-        ("missing", "404 Not Found", "text/html", b"<html><body>gone</body></html>"),
-        ("logo", "200 OK", "image/png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 64),
-    ])
+    _write_responses(
+        path,
+        [
+            ("ok", "200 OK", "text/html; charset=utf-8", page),
+            ("missing", "404 Not Found", "text/html", b"<html><body>gone</body></html>"),
+            ("logo", "200 OK", "image/png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 64),
+        ],
+    )
     rows = list(read_wet(path))
     assert [r.get("reason") for r in rows] == [None, "http_status:404", "not_html:image/png"]
     assert "town library" in rows[0]["text"]
@@ -159,8 +163,9 @@ def test_a_record_whose_block_no_longer_matches_its_digest_is_dropped(tmp_path):
     with open(path, "wb") as fh:  # uncompressed, so one byte of the payload can be flipped in place
         http = StatusAndHeaders("200 OK", [("Content-Type", "text/html")], protocol="HTTP/1.1")
         writer = WARCWriter(fh, gzip=False)
-        writer.write_record(writer.create_warc_record("https://example.org/a", "response",
-                                                      payload=io.BytesIO(body), http_headers=http))
+        writer.write_record(
+            writer.create_warc_record("https://example.org/a", "response", payload=io.BytesIO(body), http_headers=http)
+        )
     data = bytearray(path.read_bytes())
     at = data.index(b"committee")
     data[at] = ord("C")  # bit rot inside the block: same length, different bytes

@@ -1,11 +1,17 @@
 from pipeline.steps.language import LanguageConfig, LanguageFilter, normalise_for_lid
 
-ENGLISH = ("The committee met on Tuesday to discuss the new budget for the public library, and most members "
-           "agreed that the opening hours should be longer during the winter months.")
-FRENCH = ("Le conseil municipal s'est réuni mardi pour discuter du nouveau budget de la bibliothèque, et la "
-          "plupart des membres ont convenu que les horaires d'ouverture devraient être plus longs en hiver.")
-GERMAN = ("Der Gemeinderat traf sich am Dienstag, um über den neuen Haushalt der Stadtbibliothek zu sprechen, "
-          "und die meisten Mitglieder waren sich einig, dass die Öffnungszeiten im Winter länger sein sollten.")
+ENGLISH = (
+    "The committee met on Tuesday to discuss the new budget for the public library, and most members "
+    "agreed that the opening hours should be longer during the winter months."
+)
+FRENCH = (
+    "Le conseil municipal s'est réuni mardi pour discuter du nouveau budget de la bibliothèque, et la "
+    "plupart des membres ont convenu que les horaires d'ouverture devraient être plus longs en hiver."
+)
+GERMAN = (
+    "Der Gemeinderat traf sich am Dienstag, um über den neuen Haushalt der Stadtbibliothek zu sprechen, "
+    "und die meisten Mitglieder waren sich einig, dass die Öffnungszeiten im Winter länger sein sollten."
+)
 CHINESE = "委员会星期二开会讨论了公共图书馆的新预算，大多数成员同意冬季的开放时间应该更长。"
 
 

@@ -45,7 +45,9 @@ TRAIN_ARGS = ["--epochs", "20", "--lr", "0.5", "--dim", "16", "--bucket", "20000
 
 def _passages(text: str) -> list[str]:
     words = text.split()
-    return [" ".join(words[i:i + WORDS]) for i in range(0, len(words), WORDS) if len(words[i:i + WORDS]) >= WORDS // 2]
+    return [
+        " ".join(words[i : i + WORDS]) for i in range(0, len(words), WORDS) if len(words[i : i + WORDS]) >= WORDS // 2
+    ]
 
 
 def _web_pages() -> list[str]:
@@ -75,8 +77,22 @@ def corpus(tmp_path_factory, ccnet_texts) -> dict:
 @pytest.fixture(scope="module")
 def trained(corpus) -> dict:
     model = corpus["tmp"] / "quality.bin"
-    assert main(["classifier", "train", "--positive", str(corpus["hq"]), "--negative", str(corpus["lq"]),
-                 "--output", str(model), *TRAIN_ARGS]) == 0
+    assert (
+        main(
+            [
+                "classifier",
+                "train",
+                "--positive",
+                str(corpus["hq"]),
+                "--negative",
+                str(corpus["lq"]),
+                "--output",
+                str(model),
+                *TRAIN_ARGS,
+            ]
+        )
+        == 0
+    )
     return {"model": model, "meta": json.loads(Path(f"{model}.json").read_text())}
 
 
@@ -99,8 +115,22 @@ def test_train_reports_heldout_accuracy_well_above_chance(trained, corpus):
 
 def test_training_is_deterministic(trained, corpus, capsys):
     again = corpus["tmp"] / "again.bin"
-    assert main(["classifier", "train", "--positive", str(corpus["hq"]), "--negative", str(corpus["lq"]),
-                 "--output", str(again), *TRAIN_ARGS]) == 0
+    assert (
+        main(
+            [
+                "classifier",
+                "train",
+                "--positive",
+                str(corpus["hq"]),
+                "--negative",
+                str(corpus["lq"]),
+                "--output",
+                str(again),
+                *TRAIN_ARGS,
+            ]
+        )
+        == 0
+    )
     assert again.read_bytes() == trained["model"].read_bytes()
     assert "held-out accuracy" in capsys.readouterr().out
 
@@ -158,8 +188,7 @@ def test_resume_refuses_a_changed_model(tmp_path, trained):
     RunStaging(out, config, ["a.wet.gz"], False, True, resources={"quality_classifier": describe_model(str(copy))})
     copy.write_bytes(trained["model"].read_bytes() + b"\0")  # retrained in place
     with pytest.raises(PipelineInputError, match=r"quality_classifier\.sha256"):
-        RunStaging(out, config, ["a.wet.gz"], False, True,
-                   resources={"quality_classifier": describe_model(str(copy))})
+        RunStaging(out, config, ["a.wet.gz"], False, True, resources={"quality_classifier": describe_model(str(copy))})
 
 
 def test_filter_pass_persists_scores_and_counts_drops(tmp_path, trained, ccnet_texts):
@@ -167,12 +196,20 @@ def test_filter_pass_persists_scores_and_counts_drops(tmp_path, trained, ccnet_t
     rows (then documents/ and rejected/) and its drops the file's summary under the stage's name."""
     pages = _web_pages()
     source = tmp_path / "in.warc.wet.gz"
-    write_wet(source, [(f"cc-{i}", t) for i, t in enumerate(ccnet_texts[:6])]
-              + [(f"web-{i}", t) for i, t in enumerate(pages[:20])])
+    write_wet(
+        source,
+        [(f"cc-{i}", t) for i, t in enumerate(ccnet_texts[:6])] + [(f"web-{i}", t) for i, t in enumerate(pages[:20])],
+    )
     config = load_config(None, {"classifier.model": str(trained["model"]), "classifier.threshold": 0.5})
     paths = RunPaths(tmp_path / "out")
-    summary = json.loads(filter_file({"index": 0, "uri": str(source)}, paths=paths, config=config,
-                                     classifier_sha256=describe_model(str(trained["model"]))["sha256"])["summary"])
+    summary = json.loads(
+        filter_file(
+            {"index": 0, "uri": str(source)},
+            paths=paths,
+            config=config,
+            classifier_sha256=describe_model(str(trained["model"]))["sha256"],
+        )["summary"]
+    )
     rows = pq.read_table(paths.filtered(0)).to_pylist()
     earlier = ("extract", "url_filter", "language", "quality")
     # Scored: exactly the documents that reached the stage (alive after the quality rules).

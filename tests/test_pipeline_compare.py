@@ -58,13 +58,25 @@ def build_output(root: Path, rows: list[dict], tokenizer, drop_rate: float = 0.2
     tokenizer.save(str(root / "tokenizer.json"))
     acc = StageAccounting()
     dropped = round(len(docs) * drop_rate / (1 - drop_rate))
-    acc.add_summary({"records": len(docs) + dropped, "drops": [["quality", "gopher:min_words", dropped]],
-                     "seconds": {}})
+    acc.add_summary(
+        {"records": len(docs) + dropped, "drops": [["quality", "gopher:min_words", dropped]], "seconds": {}}
+    )
     acc.add_summary({"kept": len(docs), "drops": [], "seconds": {}})
-    Location(root / "manifest.json").write_json({
-        "tokenizer": {"path": "tokenizer.json", "sha256": sha256_file(root / "tokenizer.json"),
-                      "vocab_size": tokenizer.get_vocab_size(), "eot_id": tokenizer.token_to_id(EOT)},
-        "dtype": dtype.name, "shards": [entry], "sources": [], "resources": {}, "config": {}})
+    Location(root / "manifest.json").write_json(
+        {
+            "tokenizer": {
+                "path": "tokenizer.json",
+                "sha256": sha256_file(root / "tokenizer.json"),
+                "vocab_size": tokenizer.get_vocab_size(),
+                "eot_id": tokenizer.token_to_id(EOT),
+            },
+            "dtype": dtype.name,
+            "shards": [entry],
+            "sources": [],
+            "resources": {},
+            "config": {},
+        }
+    )
     report = {"stages": stage_rows(acc), "doc_tokens": stats.length_distribution(), "fertility": stats.fertility()}
     Location(root / "report.json").write_json(report)
     return {"stats": stats, "docs": docs}
@@ -81,8 +93,9 @@ def outputs(tmp_path_factory, texts) -> dict:
     built["ccnet"] = build_output(tmp / "ccnet", texts["ccnet"], tokenizer)
     built["web"] = build_output(tmp / "web", texts["web"], tokenizer)
     # Same text, another (smaller) vocabulary: ids are not comparable, fertility is.
-    built["small_vocab"] = build_output(tmp / "small_vocab", everything,
-                                        _tokenizer([r["text"] for r in everything], 300))
+    built["small_vocab"] = build_output(
+        tmp / "small_vocab", everything, _tokenizer([r["text"] for r in everything], 300)
+    )
     return {"tmp": tmp, **built}
 
 
@@ -115,10 +128,16 @@ def test_kept_token_stats_on_real_tokenized_text(outputs):
     merged.merge(json.loads(json.dumps(a.to_summary())))
     merged.merge(json.loads(json.dumps(b.to_summary())))
     assert merged.length_distribution() == dist and merged.fertility() == fertility
-    md = render_markdown({
-        "input": {"files": 1, "bytes": 1, "records": 1}, "output": {"docs": 1, "tokens": 1, "shards": 1, "bytes": 1},
-        "throughput": {"input_mb_per_s": 0.0, "docs_per_s": 0.0, "tokens_per_s": 0.0, "wall_seconds": 1.0},
-        "stages": [], "doc_tokens": dist, "fertility": fertility})
+    md = render_markdown(
+        {
+            "input": {"files": 1, "bytes": 1, "records": 1},
+            "output": {"docs": 1, "tokens": 1, "shards": 1, "bytes": 1},
+            "throughput": {"input_mb_per_s": 0.0, "docs_per_s": 0.0, "tokens_per_s": 0.0, "wall_seconds": 1.0},
+            "stages": [],
+            "doc_tokens": dist,
+            "fertility": fertility,
+        }
+    )
     assert f"p90 {dist['p90']}" in md and f"| zh | {fertility['zh']['docs']} |" in md
 
 
@@ -136,8 +155,9 @@ def _compare(base: Path, cand: Path, *flags: str, capsys) -> tuple[int, dict]:
 
 def test_output_against_itself_is_identical(outputs, capsys):
     base = outputs["tmp"] / "base"
-    rc, result = _compare(base, base, "--max-jsd", "0", "--max-drop-rate-change", "0", "--max-fertility-change", "0",
-                          capsys=capsys)
+    rc, result = _compare(
+        base, base, "--max-jsd", "0", "--max-drop-rate-change", "0", "--max-fertility-change", "0", capsys=capsys
+    )
     assert rc == 0 and result["exceeded"] == []
     assert result["unigram"]["jsd_bits"] == 0 and result["unigram"]["tvd"] == 0
     assert all(s["change"] == 0 for s in result["stages"])
@@ -163,8 +183,9 @@ def test_changed_drop_rate_exceeds_its_threshold(outputs, tmp_path, capsys):
     quality = next(s for s in report["stages"] if s["name"] == "quality")
     quality["drop_rate"] = round(quality["drop_rate"] + 0.2, 6)
     Location(cand / "report.json").write_json(report)
-    rc, result = _compare(outputs["tmp"] / "base", cand, "--max-drop-rate-change", "0.1", "--max-jsd", "0.01",
-                          capsys=capsys)
+    rc, result = _compare(
+        outputs["tmp"] / "base", cand, "--max-drop-rate-change", "0.1", "--max-jsd", "0.01", capsys=capsys
+    )
     assert rc == 1 and len(result["exceeded"]) == 1
     assert result["exceeded"][0].startswith("quality drop rate") and "--max-drop-rate-change" in result["exceeded"][0]
 
@@ -174,8 +195,9 @@ def test_different_tokenizers_skip_unigrams_and_compare_fertility(outputs, capsy
     assert rc == 0 and "different vocabularies" in result["unigram"]["skipped"]
     en = next(f for f in result["fertility"] if f["language"] == "en")
     assert en["candidate"] > en["baseline"] and en["change"] > 0  # a smaller vocabulary splits words more
-    rc, result = _compare(outputs["tmp"] / "base", outputs["tmp"] / "small_vocab", "--max-fertility-change",
-                          "0.05", capsys=capsys)
+    rc, result = _compare(
+        outputs["tmp"] / "base", outputs["tmp"] / "small_vocab", "--max-fertility-change", "0.05", capsys=capsys
+    )
     assert rc == 1 and any(line.startswith("en fertility") for line in result["exceeded"])
 
 

@@ -28,8 +28,9 @@ GSM8K = SHARED_DATA / "eval-sets" / "gsm8k-test.jsonl"
 
 
 def gsm8k_config(**kwargs) -> DecontaminationConfig:
-    return DecontaminationConfig(eval_sets=[EvalSetConfig(name="gsm8k", path=str(GSM8K), fields=["question"])],
-                                 **kwargs)
+    return DecontaminationConfig(
+        eval_sets=[EvalSetConfig(name="gsm8k", path=str(GSM8K), fields=["question"])], **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_index_holds_every_question_once_per_13gram(index, questions):
     assert list(gsm8k.tables) == [13]  # every GSM8K question has 13+ words
     table = gsm8k.tables[13]
     assert table.dtype == np.uint64 and np.all(table[1:] > table[:-1])  # sorted, unique: binary search works
-    distinct = {tuple(w[i:i + 13]) for q in questions for w in [normalise(q).split()] for i in range(len(w) - 12)}
+    distinct = {tuple(w[i : i + 13]) for q in questions for w in [normalise(q).split()] for i in range(len(w) - 12)}
     assert len(table) == len(distinct)
 
 
@@ -73,18 +74,19 @@ def test_planted_questions_are_caught_and_clean_pages_are_not(index, questions, 
     planted = [plant(text, q, i) for i, (text, q) in enumerate(zip(ccnet_texts, picked, strict=True))]
     docs = [{"text": t} for t in clean + planted]
     Decontaminate(gsm8k_config(), index)(docs)
-    assert drop_reasons(docs[:len(clean)]) == {}
-    assert all(d["contamination"] is None for d in docs[:len(clean)])
-    assert drop_reasons(docs[len(clean):]) == {"contamination:gsm8k": len(planted)}
-    assert all(d["stage"] == "decontamination" and d["contamination"] == "gsm8k" for d in docs[len(clean):])
+    assert drop_reasons(docs[: len(clean)]) == {}
+    assert all(d["contamination"] is None for d in docs[: len(clean)])
+    assert drop_reasons(docs[len(clean) :]) == {"contamination:gsm8k": len(planted)}
+    assert all(d["stage"] == "decontamination" and d["contamination"] == "gsm8k" for d in docs[len(clean) :])
 
 
 def test_a_question_quoted_differently_still_matches(index, questions):
     # Case, curly quotes, punctuation and line breaks differ between an eval file and a web copy of it.
     question = questions[0]  # "Janet’s ducks lay 16 eggs per day. ..."
     web_copy = question.upper().replace("’", "'").replace(". ", ".\n")
-    assert matches(f"Homework help:\n{web_copy}\nAnswers below.", index) == {"gsm8k": len(normalise(question).split())
-                                                                             - 12}
+    assert matches(f"Homework help:\n{web_copy}\nAnswers below.", index) == {
+        "gsm8k": len(normalise(question).split()) - 12
+    }
 
 
 def test_a_12_word_overlap_is_not_a_match(index, questions):
@@ -134,22 +136,27 @@ def test_short_items_are_indexed_whole_or_skipped(tmp_path: Path, ccnet_texts):
 def test_first_matching_set_in_config_order_names_the_reason(tmp_path: Path, questions, ccnet_texts):
     copy = tmp_path / "copy.jsonl"
     copy.write_text("".join(json.dumps({"q": q}) + "\n" for q in questions[:50]))
-    cfg = DecontaminationConfig(eval_sets=[
-        EvalSetConfig(name="gsm8k", path=str(GSM8K), fields=["question"]),
-        EvalSetConfig(name="gsm8k-copy", path=str(copy), fields=["q"]),
-    ])
+    cfg = DecontaminationConfig(
+        eval_sets=[
+            EvalSetConfig(name="gsm8k", path=str(GSM8K), fields=["question"]),
+            EvalSetConfig(name="gsm8k-copy", path=str(copy), fields=["q"]),
+        ]
+    )
     index = build_index(cfg)
     docs = [{"text": plant(ccnet_texts[6], questions[10], 6)}, {"text": plant(ccnet_texts[7], questions[100], 7)}]
     Decontaminate(cfg, index)(docs)
     assert [(d["reason"], d["contamination"]) for d in docs] == [
-        ("contamination:gsm8k", "gsm8k,gsm8k-copy"), ("contamination:gsm8k", "gsm8k")]
+        ("contamination:gsm8k", "gsm8k,gsm8k-copy"),
+        ("contamination:gsm8k", "gsm8k"),
+    ]
 
 
 def test_a_missing_eval_file_fails_naming_it(tmp_path: Path):
     missing = tmp_path / "mmlu-test.jsonl"
     with pytest.raises(PipelineInputError, match=str(missing)):
-        build_index(DecontaminationConfig(eval_sets=[EvalSetConfig(name="mmlu", path=str(missing),
-                                                                   fields=["question"])]))
+        build_index(
+            DecontaminationConfig(eval_sets=[EvalSetConfig(name="mmlu", path=str(missing), fields=["question"])])
+        )
 
 
 def test_a_misnamed_field_fails_naming_file_line_and_field():
@@ -164,8 +171,9 @@ def test_config_is_validated():
     with pytest.raises(ValidationError, match="plain text"):
         EvalSetConfig(name="lines", path="x.txt", fields=["question"])
     with pytest.raises(ValidationError, match="unique"):
-        DecontaminationConfig.model_validate({"eval_sets": [{"name": "a", "path": "a.txt"},
-                                                            {"name": "a", "path": "b.txt"}]})
+        DecontaminationConfig.model_validate(
+            {"eval_sets": [{"name": "a", "path": "a.txt"}, {"name": "a", "path": "b.txt"}]}
+        )
     with pytest.raises(ValidationError):
         PipelineConfig.model_validate({"decontamination": {"n_gram": 13}})
     assert DecontaminationConfig().ngram == 13 and DecontaminationConfig().min_matches == 1

@@ -26,14 +26,17 @@ BUCKET = "raylm-data"
 
 # The demo config's two files by absolute path (its own paths are relative to the repository), so a run works
 # from any directory.
-ABSOLUTE = ["--set", f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
-            "--set", f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
-            "fields: [question]}]"]
+ABSOLUTE = [
+    "--set",
+    f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
+    "--set",
+    f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
+    "fields: [question]}]",
+]
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline", "run", "--num-cpus", "2", "--config", str(DEMO_CONFIG), *ABSOLUTE,
-            *args]
+    return [sys.executable, "-m", "pipeline", "run", "--num-cpus", "2", "--config", str(DEMO_CONFIG), *ABSOLUTE, *args]
 
 
 def bucket_files(prefix: str) -> dict[str, bytes]:
@@ -46,7 +49,7 @@ def bucket_files(prefix: str) -> dict[str, bytes]:
     for info in infos:
         if info.type == pafs.FileType.File:
             with fs.open_input_stream(info.path) as fh:
-                out[info.path[len(base):]] = fh.read()
+                out[info.path[len(base) :]] = fh.read()
     return out
 
 
@@ -84,10 +87,16 @@ def reference(local_output) -> dict[str, bytes]:
     return data_files(local_files(local_output))
 
 
-def test_output_in_the_bucket_is_the_local_output_and_nothing_is_written_here(s3, inputs, local_output, reference,
-                                                                              tmp_path):
-    run = subprocess.run(cli("--input", str(inputs), "--output", f"s3://{BUCKET}/runs/a"), cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+def test_output_in_the_bucket_is_the_local_output_and_nothing_is_written_here(
+    s3, inputs, local_output, reference, tmp_path
+):
+    run = subprocess.run(
+        cli("--input", str(inputs), "--output", f"s3://{BUCKET}/runs/a"),
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     stored = bucket_files("runs/a")
     assert data_files(stored) == reference  # byte-identical, manifest and shards included
@@ -95,25 +104,50 @@ def test_output_in_the_bucket_is_the_local_output_and_nothing_is_written_here(s3
     assert list(tmp_path.iterdir()) == []  # no "s3:" directory, no staging, nothing local
 
     # The spot-check and drift tools read the bucket too: the same documents, and no drift from the local run.
-    sample = subprocess.run([sys.executable, "-m", "pipeline", "sample", "--output", f"s3://{BUCKET}/runs/a",
-                             "-n", "3"], cwd=REPO, capture_output=True, text=True)
+    sample = subprocess.run(
+        [sys.executable, "-m", "pipeline", "sample", "--output", f"s3://{BUCKET}/runs/a", "-n", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     kept = json.loads((local_output / "report.json").read_text())["output"]["docs"]
     assert sample.returncode == 0 and f"3 of {kept} kept documents" in sample.stdout, sample.stderr
-    compare = subprocess.run([sys.executable, "-m", "pipeline", "compare", "--baseline", str(local_output),
-                              "--candidate", f"s3://{BUCKET}/runs/a", "--max-jsd", "0", "--json"],
-                             cwd=REPO, capture_output=True, text=True)
+    compare = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "compare",
+            "--baseline",
+            str(local_output),
+            "--candidate",
+            f"s3://{BUCKET}/runs/a",
+            "--max-jsd",
+            "0",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert compare.returncode == 0 and json.loads(compare.stdout)["exceeded"] == [], compare.stderr
 
     # A finished output is not overwritten by accident, and a run with --overwrite replaces it.
-    again = subprocess.run(cli("--input", str(inputs), "--output", f"s3://{BUCKET}/runs/a"), cwd=REPO,
-                           capture_output=True, text=True)
+    again = subprocess.run(
+        cli("--input", str(inputs), "--output", f"s3://{BUCKET}/runs/a"), cwd=REPO, capture_output=True, text=True
+    )
     assert again.returncode == 2 and "holds a finished pipeline output" in again.stderr
 
 
 def test_killed_driver_resumes_from_the_bucket_to_the_same_bytes(s3, inputs, reference):
     uri = f"s3://{BUCKET}/runs/resumed"
-    proc = subprocess.Popen(cli("--input", str(inputs), "--output", uri), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cli("--input", str(inputs), "--output", uri),
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     markers: set[str] = set()
     while time.monotonic() < deadline and proc.poll() is None:
@@ -127,8 +161,9 @@ def test_killed_driver_resumes_from_the_bucket_to_the_same_bytes(s3, inputs, ref
     stored = bucket_files("runs/resumed")
     assert "manifest.json" not in stored and "state.json" in {k.rsplit("/", 1)[-1] for k in stored}
 
-    resumed = subprocess.run(cli("--input", str(inputs), "--output", uri, "--resume"), cwd=REPO,
-                             capture_output=True, text=True)
+    resumed = subprocess.run(
+        cli("--input", str(inputs), "--output", uri, "--resume"), cwd=REPO, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr
     redone = re.search(r"filter: (\d+) of 12 files already done \(resumed\)", resumed.stderr)
     assert redone and int(redone.group(1)) >= len(markers), resumed.stderr

@@ -21,8 +21,13 @@ def _private_key() -> str:
     from cryptography.hazmat.primitives.asymmetric import rsa
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                             serialization.NoEncryption()).decode().strip()
+    return (
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
+        .decode()
+        .strip()
+    )
 
 
 # Real-looking PII as pages write it: (text, type).
@@ -138,8 +143,7 @@ def test_a_bare_valid_dotted_quad_is_an_address_but_not_after_a_version_word():
 
 def test_real_sample_pages_lose_their_email_addresses_and_phone_numbers():
     # The WARC sample holds real faculty and project pages with contact details.
-    texts = [d["text"] for f in sorted(SAMPLE.glob("sample-*.warc.gz")) for d in read_wet(f)
-             if d.get("reason") is None]
+    texts = [d["text"] for f in sorted(SAMPLE.glob("sample-*.warc.gz")) for d in read_wet(f) if d.get("reason") is None]
     # A looser oracle than the stage's regex: anything@domain.tld not written as a fediverse @handle.
     email = re.compile(r"(?<![@\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}", re.IGNORECASE)
     phone = re.compile(r"\b\d{3}-\d{3}-\d{4}\b")
@@ -154,8 +158,11 @@ def test_real_sample_pages_lose_their_email_addresses_and_phone_numbers():
 
 
 def test_step_sets_counts_per_type_and_leaves_dropped_documents_alone(ccnet_texts):
-    docs = [{"text": f"{ccnet_texts[0]}\nMail a@example.org or b@example.org, call (415) 555-2671."},
-            {"text": ccnet_texts[1]}, {"text": "Mail c@example.org"}]
+    docs = [
+        {"text": f"{ccnet_texts[0]}\nMail a@example.org or b@example.org, call (415) 555-2671."},
+        {"text": ccnet_texts[1]},
+        {"text": "Mail c@example.org"},
+    ]
     drop(docs[2], "quality", "gopher:min_words")
     MaskPii()(docs)
     assert [docs[0][c] for c in PII_COLUMNS] == [0, 2, 0, 1]  # secret, email, ip_address, phone

@@ -51,7 +51,8 @@ def same_output(remote: Path, local: Path) -> None:
     first, second = (json.loads((d / "manifest.json").read_text()) for d in (remote, local))
     assert first["shards"] == second["shards"] and first["tokenizer"] == second["tokenizer"]
     assert [(s["sha256"], s["bytes"], s["records"]) for s in first["sources"]] == [
-        (s["sha256"], s["bytes"], s["records"]) for s in second["sources"]]
+        (s["sha256"], s["bytes"], s["records"]) for s in second["sources"]
+    ]
     for shard in first["shards"]:
         assert (remote / shard["path"]).read_bytes() == (local / shard["path"]).read_bytes()
     for folder in ("documents", "rejected"):
@@ -78,8 +79,9 @@ def test_http_paths_listing_with_503s_and_resets_gives_the_local_run(s3_endpoint
     plan = FaultPlan(fail_first=2, status=503, reset_first=1, reset_after=4000, reset_delay_s=0.2, only="/crawl/")
     with http_server(served, plan) as server:
         out = tmp_path / "out"
-        report = run_pipeline(None, out, config, input_list=f"{server.base_url}/wet.paths.gz",
-                              base_url=f"{server.base_url}/")
+        report = run_pipeline(
+            None, out, config, input_list=f"{server.base_url}/wet.paths.gz", base_url=f"{server.base_url}/"
+        )
     same_output(out, local_run)
     assert report["input"]["read_retries"] >= 2 * len(names)  # every file failed twice before it was read
     assert {r.status for r in server.log} >= {503, 206}  # retried reads resumed with Range requests

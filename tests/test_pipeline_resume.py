@@ -27,8 +27,11 @@ def cli(*args: str) -> list[str]:
 
 def output_files(root: Path) -> dict[str, bytes]:
     """Every data file of an output except the report, whose timings differ from run to run."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith("report.")}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith("report.")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +42,25 @@ def inputs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "out"
-    subprocess.run(cli("--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES, "--output", str(out)),
-                   check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        cli("--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES, "--output", str(out)),
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     return out
 
 
 def run_and_kill(args: list[str], out: Path, ready) -> None:
     """Start the run, SIGKILL its driver and the local Ray it started (as a lost node would) once
     ``ready(done_dir)`` holds, and check that it had not finished."""
-    proc = subprocess.Popen(cli(*args, "--output", str(out)), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cli(*args, "--output", str(out)),
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     done = out / ".staging" / "work" / "done"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not ready(done):
@@ -74,17 +86,33 @@ def test_killed_driver_resumes_to_byte_identical_output(inputs, reference, tmp_p
 
     other = tmp_path / "other.yaml"
     other.write_text(DEMO_CONFIG.read_text().replace("min_score: 0.65", "min_score: 0.5"))
-    refused = subprocess.run(cli("--input", str(inputs), "--config", str(other), *SMALL_BATCHES, "--output", str(out),
-                                 "--resume"), cwd=REPO, capture_output=True, text=True)
+    refused = subprocess.run(
+        cli("--input", str(inputs), "--config", str(other), *SMALL_BATCHES, "--output", str(out), "--resume"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 2 and "language.min_score: 0.65 → 0.5" in refused.stderr
-    fewer = subprocess.run(cli("--input", str(inputs / "0-*"), "--config", str(DEMO_CONFIG), *SMALL_BATCHES,
-                               "--output", str(out), "--resume"), cwd=REPO, capture_output=True, text=True)
+    fewer = subprocess.run(
+        cli(
+            "--input",
+            str(inputs / "0-*"),
+            "--config",
+            str(DEMO_CONFIG),
+            *SMALL_BATCHES,
+            "--output",
+            str(out),
+            "--resume",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert fewer.returncode == 2 and "input list has 6 files, the unfinished run had 12" in fewer.stderr
     again = subprocess.run(cli(*args, "--output", str(out)), cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 2 and "--resume" in again.stderr  # an unfinished run is not silently discarded
 
-    resumed = subprocess.run(cli(*args, "--output", str(out), "--resume"), cwd=REPO, capture_output=True,
-                             text=True)
+    resumed = subprocess.run(cli(*args, "--output", str(out), "--resume"), cwd=REPO, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     # Tasks the kill caught mid-file may still finish (as on a cluster); the resume redoes only what is missing.
     redone = re.search(r"filter: (\d+) of 12 files already done \(resumed\)", resumed.stderr)
@@ -97,14 +125,18 @@ def test_killed_driver_resumes_to_byte_identical_output(inputs, reference, tmp_p
     ("in_pass", "ready", "redone"),
     [
         # The filter pass is done; the dedup index (in the killed Ray's memory) is not: rebuilt from work/filtered.
-        ("dedup", lambda done: markers(done, "filter") == FILES and not (done / "dedup.json").exists(),
-         rf"filter: {FILES} of {FILES} files already done \(resumed\)"),
+        (
+            "dedup",
+            lambda done: markers(done, "filter") == FILES and not (done / "dedup.json").exists(),
+            rf"filter: {FILES} of {FILES} files already done \(resumed\)",
+        ),
         ("tokenize", lambda done: 1 <= markers(done, "tokenize") < FILES, r"tokenize: (\d+) of 12 files already done"),
         ("pack", lambda done: markers(done, "pack") >= 1, rf"tokenize: {FILES} of {FILES} files already done"),
     ],
 )
-def test_a_run_killed_in_a_later_pass_resumes_to_byte_identical_output(inputs, reference, tmp_path, in_pass, ready,
-                                                                       redone):
+def test_a_run_killed_in_a_later_pass_resumes_to_byte_identical_output(
+    inputs, reference, tmp_path, in_pass, ready, redone
+):
     args = ["--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES]
     out = tmp_path / "out"
     run_and_kill(args, out, ready)

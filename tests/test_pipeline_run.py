@@ -72,10 +72,14 @@ def sample_inputs(tmp_path_factory, ccnet_texts):
     passing = QualityFilter()([{"text": t} for t in ccnet_texts if len(t.split()) >= 150])
     first = [d["text"] for d in passing if d.get("reason") is None][-1]  # dropped before dedup could see it
     question = json.loads(GSM8K_TEST.read_text().splitlines()[7])["question"]
-    contact = (f"Write to {PLANTED_PII['email']} or call {PLANTED_PII['phone']}. The mirror is at "
-               f"{PLANTED_PII['ip_address']}, and the old deploy script still held the key {PLANTED_PII['secret']}.")
-    write_wet(inputs / "planted.warc.wet.gz", [("gsm8k-quote", f"{first}\n\nToday's puzzle: {question}"),
-                                              ("pii-page", f"{GARDEN_NOTICE}\n\n{contact}")])
+    contact = (
+        f"Write to {PLANTED_PII['email']} or call {PLANTED_PII['phone']}. The mirror is at "
+        f"{PLANTED_PII['ip_address']}, and the old deploy script still held the key {PLANTED_PII['secret']}."
+    )
+    write_wet(
+        inputs / "planted.warc.wet.gz",
+        [("gsm8k-quote", f"{first}\n\nToday's puzzle: {question}"), ("pii-page", f"{GARDEN_NOTICE}\n\n{contact}")],
+    )
     return inputs
 
 
@@ -104,8 +108,16 @@ def test_every_record_is_kept_or_rejected_exactly_once(sample_run):
     by_stage = Counter(rejected["stage"].to_pylist())
     assert by_stage == {s["name"]: s["dropped"] for s in report["stages"] if s["dropped"]}
     assert [s["name"] for s in report["stages"]] == [
-        "extract", "url_filter", "language", "quality", "classifier", "decontamination", "pii", "dedup_exact",
-        "dedup_minhash", "tokenize"
+        "extract",
+        "url_filter",
+        "language",
+        "quality",
+        "classifier",
+        "decontamination",
+        "pii",
+        "dedup_exact",
+        "dedup_minhash",
+        "tokenize",
     ]
     for s in report["stages"]:
         assert s["docs_in"] - s["dropped"] == s["docs_out"] and sum(s["reasons"].values()) == s["dropped"]
@@ -129,8 +141,10 @@ def test_real_sample_behaves_as_expected(sample_run):
     (gsm8k,) = report["decontamination"]["eval_sets"]
     assert gsm8k["items"] == 1319 and gsm8k["matched_docs"] == stages["decontamination"]["counts"]["gsm8k"] >= 1
     assert set(stages["pii"]["counts"]) == {"email", "ip_address", "phone", "secret"}
-    assert sum(r["pii_ip_address"] or 0 for r in kept) + sum(r["pii_ip_address"] or 0 for r in rejected) == \
-        stages["pii"]["counts"]["ip_address"]
+    assert (
+        sum(r["pii_ip_address"] or 0 for r in kept) + sum(r["pii_ip_address"] or 0 for r in rejected)
+        == stages["pii"]["counts"]["ip_address"]
+    )
 
 
 def test_planted_eval_quote_is_dropped_and_planted_pii_is_masked(sample_run):
@@ -142,8 +156,10 @@ def test_planted_eval_quote_is_dropped_and_planted_pii_is_masked(sample_run):
     page = kept[record_id("pii-page")]  # masked, not dropped
     for kind, value in PLANTED_PII.items():
         assert value not in page["text"] and page[f"pii_{kind}"] == 1, kind
-    assert page["text"].endswith("Write to <EMAIL> or call <PHONE>. The mirror is at <IP_ADDRESS>, and the old "
-                                 "deploy script still held the key <SECRET>.")
+    assert page["text"].endswith(
+        "Write to <EMAIL> or call <PHONE>. The mirror is at <IP_ADDRESS>, and the old "
+        "deploy script still held the key <SECRET>."
+    )
     pii = {s["name"]: s for s in report["stages"]}["pii"]["counts"]
     assert all(pii[kind] >= 1 for kind in PLANTED_PII)
 
@@ -269,17 +285,47 @@ def test_sample_command_shows_documents_with_reasons(sample_run):
 
 
 def test_cli_help_and_bad_config(tmp_path):
-    help_text = subprocess.run([sys.executable, "-m", "pipeline", "run", "--help"], capture_output=True,
-                               text=True, check=True, cwd=REPO).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "--help"], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
     assert "--input" in help_text and "--overwrite" in help_text
     bad = tmp_path / "bad.yaml"
     bad.write_text("language:\n  min_scor: 0.5\n")
-    result = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
-                             str(tmp_path / "o"), "--config", str(bad)], capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            "--input",
+            str(SAMPLE),
+            "--output",
+            str(tmp_path / "o"),
+            "--config",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert result.returncode == 2 and "min_scor" in result.stderr and "invalid pipeline config" in result.stderr
-    override = subprocess.run([sys.executable, "-m", "pipeline", "run", "--input", str(SAMPLE), "--output",
-                               str(tmp_path / "o"), "--set", "dedup.minhash.verfy=none"],
-                              capture_output=True, text=True, cwd=REPO)
+    override = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            "--input",
+            str(SAMPLE),
+            "--output",
+            str(tmp_path / "o"),
+            "--set",
+            "dedup.minhash.verfy=none",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert override.returncode == 2 and "dedup.minhash.verfy: unknown key" in override.stderr
 
 
@@ -311,8 +357,9 @@ def test_a_file_that_is_not_warc_becomes_one_drop_when_asked(tmp_path):
     (inputs / "notes.warc.wet.gz").write_bytes(b"these are my notes, not a crawl\n" * 20)
     with pytest.raises(PipelineInputError, match=r"notes\.warc\.wet\.gz: not a WARC/WET file"):
         run_pipeline(str(inputs), tmp_path / "strict")
-    config = PipelineConfig.model_validate({"extract": {"on_corrupt_file": "drop"},
-                                            "tokenize": {"vocab_size": 300, "val_fraction": 0.0}})
+    config = PipelineConfig.model_validate(
+        {"extract": {"on_corrupt_file": "drop"}, "tokenize": {"vocab_size": 300, "val_fraction": 0.0}}
+    )
     report = run_pipeline(str(inputs), tmp_path / "lenient", config)
     rejected = read_parquet(tmp_path / "lenient" / "rejected").to_pylist()
     corrupt = [r for r in rejected if r["reason"] == "corrupt_file"]

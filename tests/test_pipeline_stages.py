@@ -58,14 +58,21 @@ def run(tmp_path_factory, ccnet_texts):
     source = tmp / "in.warc.wet.gz"
     write_wet(source, docs)
     (tmp / "blocklist.txt").write_text("# paths of the test site\nexample.test/members/\n")
-    config = load_config(REPO / "pipeline" / "configs" / "demo.yaml", {
-        "url_filter.blocklist": str(tmp / "blocklist.txt"),
-        "decontamination.eval_sets": [{"name": "gsm8k", "path": str(GSM8K), "fields": ["question"]}],
-    })
+    config = load_config(
+        REPO / "pipeline" / "configs" / "demo.yaml",
+        {
+            "url_filter.blocklist": str(tmp / "blocklist.txt"),
+            "decontamination.eval_sets": [{"name": "gsm8k", "path": str(GSM8K), "fields": ["question"]}],
+        },
+    )
     paths = RunPaths(tmp / "out")
-    result = filter_file({"index": 0, "uri": str(source)}, paths=paths, config=config,
-                         blocklist=load_blocklist(config.url_filter.blocklist),
-                         contamination=build_index(config.decontamination))
+    result = filter_file(
+        {"index": 0, "uri": str(source)},
+        paths=paths,
+        config=config,
+        blocklist=load_blocklist(config.url_filter.blocklist),
+        contamination=build_index(config.decontamination),
+    )
     summary = json.loads(result["summary"])
     rows = {r["url"].rsplit("/", 1)[-1]: r for r in pq.read_table(paths.filtered(0)).to_pylist() if r["url"]}
     return summary, rows, contact
@@ -78,7 +85,10 @@ def test_each_stage_drops_or_annotates_its_document(run):
     assert rows["blocked-page"]["language"] is None and rows["blocked-page"]["pii_email"] is None
     homework = rows["homework"]
     assert (homework["stage"], homework["reason"], homework["contamination"]) == (
-        "decontamination", "contamination:gsm8k", "gsm8k")
+        "decontamination",
+        "contamination:gsm8k",
+        "gsm8k",
+    )
     masked = rows["contact"]
     assert masked["reason"] is None and masked["contamination"] is None
     assert (masked["pii_email"], masked["pii_phone"], masked["pii_ip_address"], masked["pii_secret"]) == (1, 1, 0, 0)
@@ -104,8 +114,12 @@ def test_report_rows_show_counts_and_reasons_of_the_new_stages(run):
         "output": {"docs": 0, "tokens": 0, "shards": 0, "bytes": 0},
         "throughput": {"input_mb_per_s": 0.0, "docs_per_s": 0.0, "tokens_per_s": 0.0, "wall_seconds": 1.0},
         "stages": list(stages.values()),
-        "decontamination": {"action": "drop", "ngram": 13, "min_matches": 1, "eval_sets": [
-            {"name": "gsm8k", "path": str(GSM8K), "items": 1319, "ngrams": 46283, "matched_docs": 1}]},
+        "decontamination": {
+            "action": "drop",
+            "ngram": 13,
+            "min_matches": 1,
+            "eval_sets": [{"name": "gsm8k", "path": str(GSM8K), "items": 1319, "ngrams": 46283, "matched_docs": 1}],
+        },
     }
     md = render_markdown(report)
     assert "| pii |" in md and "masked: email (1), phone (1)" in md
@@ -119,23 +133,49 @@ def test_flag_mode_keeps_the_document_through_the_filter_pass(tmp_path, ccnet_te
     page = random.Random(1).choice([t for t in ccnet_texts if len(t.split()) >= 150])
     source = tmp_path / "in.warc.wet.gz"
     write_wet(source, [("homework", f"{page}\n{questions[42]}")])
-    config = load_config(None, {"decontamination.action": "flag", "quality.gopher.enabled": False,
-                                "quality.c4.enabled": False, "quality.fineweb.enabled": False,
-                                "decontamination.eval_sets": [{"name": "gsm8k", "path": str(GSM8K),
-                                                               "fields": ["question"]}]})
+    config = load_config(
+        None,
+        {
+            "decontamination.action": "flag",
+            "quality.gopher.enabled": False,
+            "quality.c4.enabled": False,
+            "quality.fineweb.enabled": False,
+            "decontamination.eval_sets": [{"name": "gsm8k", "path": str(GSM8K), "fields": ["question"]}],
+        },
+    )
     paths = RunPaths(tmp_path / "out")
-    summary = json.loads(filter_file({"index": 0, "uri": str(source)}, paths=paths, config=config,
-                                     contamination=build_index(config.decontamination))["summary"])
+    summary = json.loads(
+        filter_file(
+            {"index": 0, "uri": str(source)},
+            paths=paths,
+            config=config,
+            contamination=build_index(config.decontamination),
+        )["summary"]
+    )
     (row,) = [r for r in pq.read_table(paths.filtered(0)).to_pylist() if r["url"]]
     assert row["reason"] is None and row["contamination"] == "gsm8k"
-    assert summary["counts"] == [["decontamination", "gsm8k", 1], ["pii", "email", 0], ["pii", "ip_address", 0],
-                                 ["pii", "phone", 0], ["pii", "secret", 0]]
+    assert summary["counts"] == [
+        ["decontamination", "gsm8k", 1],
+        ["pii", "email", 0],
+        ["pii", "ip_address", 0],
+        ["pii", "phone", 0],
+        ["pii", "secret", 0],
+    ]
 
 
 def test_readme_documents_every_new_stage_and_reason():
     readme = (REPO / "pipeline" / "README.md").read_text()
-    for text in ("url_filter", "url:blocklist", "url:banned_word", "decontamination", "contamination:<eval-set>",
-                 "`<EMAIL>`", "`<IP_ADDRESS>`", "`<PHONE>`", "`<SECRET>`"):
+    for text in (
+        "url_filter",
+        "url:blocklist",
+        "url:banned_word",
+        "decontamination",
+        "contamination:<eval-set>",
+        "`<EMAIL>`",
+        "`<IP_ADDRESS>`",
+        "`<PHONE>`",
+        "`<SECRET>`",
+    ):
         assert text in readme
 
 
@@ -143,8 +183,11 @@ def test_the_driver_names_a_missing_eval_set_or_blocklist_before_ray_starts(tmp_
     from pipeline.executor import PipelineRun
 
     for key, value, missing in [
-        ("decontamination.eval_sets", [{"name": "mmlu", "path": str(tmp_path / "mmlu.jsonl"), "fields": ["q"]}],
-         tmp_path / "mmlu.jsonl"),
+        (
+            "decontamination.eval_sets",
+            [{"name": "mmlu", "path": str(tmp_path / "mmlu.jsonl"), "fields": ["q"]}],
+            tmp_path / "mmlu.jsonl",
+        ),
         ("url_filter.blocklist", str(tmp_path / "adult.txt"), tmp_path / "adult.txt"),
     ]:
         with pytest.raises(PipelineInputError, match=str(missing)):

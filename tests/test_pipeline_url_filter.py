@@ -53,9 +53,13 @@ def test_blocklist_on_the_samples_real_urls(tmp_path: Path, sample_rows):
 
     def expected(url: str) -> bool:
         host, path_ = _host(url), urlsplit(url).path
-        return (host == "allenai.org" or host.endswith(".allenai.org") or host.endswith(".fc2.com")
-                or (host == "commoncrawl.org" and path_.startswith("/blog/"))
-                or (host == "creativecommons.org" and path_.startswith("/mission/")))
+        return (
+            host == "allenai.org"
+            or host.endswith(".allenai.org")
+            or host.endswith(".fc2.com")
+            or (host == "commoncrawl.org" and path_.startswith("/blog/"))
+            or (host == "creativecommons.org" and path_.startswith("/mission/"))
+        )
 
     urls = [d["url"] for d in docs]
     assert blocked == {u for u in urls if expected(u)}

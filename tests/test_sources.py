@@ -76,8 +76,15 @@ def http_sample():
 def tree(tmp_path) -> Path:
     """Nested inputs whose string order differs from path-component order ('a-b/…' sorts before 'a/…')."""
     root = tmp_path / "tree"
-    names = ["b/2.warc.wet.gz", "a-b/1.warc", "a/3.warc.gz", "a/z/4.warc.wet", "top.warc.wet.gz",
-             "notes.txt", "a/partial.warc.gz.tmp"]
+    names = [
+        "b/2.warc.wet.gz",
+        "a-b/1.warc",
+        "a/3.warc.gz",
+        "a/z/4.warc.wet",
+        "top.warc.wet.gz",
+        "notes.txt",
+        "a/partial.warc.gz.tmp",
+    ]
     for i, name in enumerate(names):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(b"x" * (i + 1))
@@ -99,9 +106,12 @@ def test_local_glob_and_single_file(tree, monkeypatch):
     monkeypatch.chdir(tree)
     files = list_inputs("**/*.warc.gz")  # relative patterns come back absolute
     assert [f.uri for f in files] == [str(tree / "a/3.warc.gz")]
-    assert [Path(f.uri).name for f in list_inputs(str(tree / "*" / "*.warc*"))] == ["1.warc", "3.warc.gz",
-                                                                                   "partial.warc.gz.tmp",
-                                                                                   "2.warc.wet.gz"]
+    assert [Path(f.uri).name for f in list_inputs(str(tree / "*" / "*.warc*"))] == [
+        "1.warc",
+        "3.warc.gz",
+        "partial.warc.gz.tmp",
+        "2.warc.wet.gz",
+    ]
     assert list_inputs(str(tree / "notes.txt")) == [InputFile(str(tree / "notes.txt"), 6)]  # named: taken as is
 
 
@@ -132,7 +142,9 @@ def test_s3_prefix_lists_recursively_in_the_local_order(s3_sample, moto_endpoint
 
 def test_s3_glob_and_single_key(s3_sample, moto_endpoint, tree):
     assert [f.uri.rsplit("/", 1)[1] for f in list_inputs(s3_sample + "/cc_*.warc.wet.gz", retry=FAST)] == [
-        "cc_en_head-0091.warc.wet.gz", "cc_en_head-0174.warc.wet.gz"]
+        "cc_en_head-0091.warc.wet.gz",
+        "cc_en_head-0174.warc.wet.gz",
+    ]
     bucket = s3_sample.split("/")[2]
     uri = upload_dir(moto_endpoint, tree, bucket, "tree")
     assert [f.uri for f in list_inputs(f"s3://{bucket}/tree/**/*.warc.gz", retry=FAST)] == [f"{uri}/a/3.warc.gz"]
@@ -173,14 +185,15 @@ def test_paths_listing_plain_and_gz_joined_to_any_base(tmp_path, http_sample, s3
     assert read(files[0].uri)[1].sha256 == sha256(SAMPLE / LISTED[0])
 
 
-def test_paths_listing_may_itself_be_remote_and_hold_absolute_entries(tmp_path, http_sample, s3_sample,
-                                                                      moto_endpoint):
+def test_paths_listing_may_itself_be_remote_and_hold_absolute_entries(tmp_path, http_sample, s3_sample, moto_endpoint):
     served = tmp_path / "served"
     served.mkdir()
     text = LISTING + f"{http_sample.base_url}/sample-0001.warc.gz\n{SAMPLE / 'sample-0001.warc.gz'}\n"
     (served / "wet.paths.gz").write_bytes(gzip.compress(text.encode()))
-    expected = [f"{s3_sample}/{name}" for name in LISTED] + [f"{http_sample.base_url}/sample-0001.warc.gz",
-                                                             str(SAMPLE / "sample-0001.warc.gz")]
+    expected = [f"{s3_sample}/{name}" for name in LISTED] + [
+        f"{http_sample.base_url}/sample-0001.warc.gz",
+        str(SAMPLE / "sample-0001.warc.gz"),
+    ]
     with http_server(served) as server:
         files = list_inputs(input_list=f"{server.base_url}/wet.paths.gz", base_url=s3_sample, retry=FAST)
     assert [f.uri for f in files] == expected
@@ -210,7 +223,8 @@ def test_paths_listing_errors(tmp_path, http_sample):
 
 def test_http_url_is_one_file_with_its_size(http_sample):
     assert list_inputs(f"{http_sample.base_url}/{BIG.name}", retry=FAST) == [
-        InputFile(f"{http_sample.base_url}/{BIG.name}", BIG.stat().st_size)]
+        InputFile(f"{http_sample.base_url}/{BIG.name}", BIG.stat().st_size)
+    ]
     with pytest.raises(InputUnreadableError, match=r"/nope\.warc\.gz: unreadable after 1 attempt"):
         list_inputs(f"{http_sample.base_url}/nope.warc.gz", retry=FAST)
 
@@ -251,8 +265,7 @@ def test_http_reset_mid_body_resumes_at_the_byte_delivered():
     assert data == BIG.read_bytes() and stats.sha256 == sha256(BIG) and stats.bytes == len(data)
     assert stats.retries == 2
     # Each attempt continues where the last one stopped: nothing re-downloaded from the start.
-    assert [(r.range, r.status) for r in server.log] == [(None, 200), ("bytes=50000-", 206),
-                                                         ("bytes=100000-", 206)]
+    assert [(r.range, r.status) for r in server.log] == [(None, 200), ("bytes=50000-", 206), ("bytes=100000-", 206)]
 
 
 def test_server_that_ignores_range_is_resumed_by_skipping():
@@ -265,11 +278,16 @@ def test_server_that_ignores_range_is_resumed_by_skipping():
 
 def test_permanent_errors_fail_at_once_naming_the_input(http_sample, s3_sample, tmp_path):
     slow = RetryConfig(attempts=5, initial_backoff_s=10)  # a retry would time the test out
-    for uri in (f"{http_sample.base_url}/missing.warc.gz", f"{s3_sample}/missing.warc.gz",
-                str(tmp_path / "missing.warc.gz")):
+    for uri in (
+        f"{http_sample.base_url}/missing.warc.gz",
+        f"{s3_sample}/missing.warc.gz",
+        str(tmp_path / "missing.warc.gz"),
+    ):
         stats = ReadStats()
-        with pytest.raises(InputUnreadableError, match="unreadable after 1 attempt: ") as err, \
-                open_input(uri, slow, stats):
+        with (
+            pytest.raises(InputUnreadableError, match="unreadable after 1 attempt: ") as err,
+            open_input(uri, slow, stats),
+        ):
             pass
         assert str(err.value).startswith(f"{uri}: ") and stats.retries == 0
         assert isinstance(err.value, PipelineInputError) and err.value.uri == uri
@@ -378,19 +396,22 @@ def _response_error(status: int) -> aiohttp.ClientResponseError:
     return aiohttp.ClientResponseError(None, (), status=status)
 
 
-@pytest.mark.parametrize(("err", "transient"), [
-    (OSError("When reading 'k': AWS Error SLOW_DOWN during GetObject operation: Please reduce"), True),
-    (OSError("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."), True),
-    (OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 56"), True),
-    (OSError("AWS Error ACCESS_DENIED during HeadObject operation: (HTTP status 403)"), False),
-    (FileNotFoundError("Path does not exist 'b/k'"), False),
-    (ConnectionResetError(104, "Connection reset by peer"), True),
-    (TimeoutError(), True),
-    (_response_error(429), True),
-    (_response_error(500), True),
-    (_response_error(404), False),
-    (_caused_by(FileNotFoundError("http://x/y"), _response_error(503)), True),  # fsspec's size probe
-    (ValueError("not a gzip file"), False),
-])
+@pytest.mark.parametrize(
+    ("err", "transient"),
+    [
+        (OSError("When reading 'k': AWS Error SLOW_DOWN during GetObject operation: Please reduce"), True),
+        (OSError("AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body."), True),
+        (OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 56"), True),
+        (OSError("AWS Error ACCESS_DENIED during HeadObject operation: (HTTP status 403)"), False),
+        (FileNotFoundError("Path does not exist 'b/k'"), False),
+        (ConnectionResetError(104, "Connection reset by peer"), True),
+        (TimeoutError(), True),
+        (_response_error(429), True),
+        (_response_error(500), True),
+        (_response_error(404), False),
+        (_caused_by(FileNotFoundError("http://x/y"), _response_error(503)), True),  # fsspec's size probe
+        (ValueError("not a gzip file"), False),
+    ],
+)
 def test_transient_errors(err, transient):
     assert is_transient(err) is transient

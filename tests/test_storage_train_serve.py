@@ -210,12 +210,23 @@ def test_preflight_names_the_uri_of_what_is_wrong(
     refused("s3://no-such-bucket/data", r"data dir s3://no-such-bucket/data does not exist: no bucket no-such-bucket")
     upload_dir(cluster.endpoint, token_dir, BUCKET, "no-manifest", files=["tokenizer.json"])
     refused(f"s3://{BUCKET}/no-manifest", rf"s3://{BUCKET}/no-manifest has no manifest\.json")
-    upload_dir(cluster.endpoint, token_dir, BUCKET, "no-val", files=["manifest.json", "tokenizer.json",
-                                                                      "tokens/train-00000.bin"])
-    refused(f"s3://{BUCKET}/no-val", rf"s3://{BUCKET}/no-val/manifest\.json: shard tokens/val-00000\.bin is listed "
-                                     "but missing")
-    refused(data_uri, r"run dir s3://no-such-bucket/runs/x is not writable: .*no-such-bucket",
-            output="s3://no-such-bucket/runs/x")
+    upload_dir(
+        cluster.endpoint,
+        token_dir,
+        BUCKET,
+        "no-val",
+        files=["manifest.json", "tokenizer.json", "tokens/train-00000.bin"],
+    )
+    refused(
+        f"s3://{BUCKET}/no-val",
+        rf"s3://{BUCKET}/no-val/manifest\.json: shard tokens/val-00000\.bin is listed "
+        "but missing",
+    )
+    refused(
+        data_uri,
+        r"run dir s3://no-such-bucket/runs/x is not writable: .*no-such-bucket",
+        output="s3://no-such-bucket/runs/x",
+    )
 
 
 @pytest.mark.parametrize("scheme", ["ftp", "hdfs"])
@@ -262,8 +273,13 @@ def test_an_incomplete_or_corrupted_export_is_refused_naming_the_uri(
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "fresh-cache"))
     local = Path(exports["local"])
-    incomplete = upload_dir(cluster.endpoint, local, BUCKET, "models/incomplete",
-                            files=["model.safetensors", "config.json", "tokenizer.json"])
+    incomplete = upload_dir(
+        cluster.endpoint,
+        local,
+        BUCKET,
+        "models/incomplete",
+        files=["model.safetensors", "config.json", "tokenizer.json"],
+    )
     with pytest.raises(ModelDirError, match=rf"{incomplete}: no lineage\.json, so no complete output"):
         load_model_dir(incomplete)
     assert serve_main(["--model", incomplete]) == 2  # the driver refuses it before any replica starts
@@ -303,8 +319,12 @@ def test_serving_from_the_bucket_answers_as_serving_the_local_export(
     assert answers["bucket"] == answers["local"]
     lineage = Location(exports["bucket"]).join("lineage.json").read_bytes()
     pulled = cluster.cache / "published" / hashlib.sha256(lineage).hexdigest()
-    assert sorted(p.name for p in pulled.iterdir()) == ["config.json", "lineage.json", "model.safetensors",
-                                                         "tokenizer.json"]
+    assert sorted(p.name for p in pulled.iterdir()) == [
+        "config.json",
+        "lineage.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
 
 
 def test_nothing_was_written_in_the_working_directory(runs: Runs, exports: dict, cluster: Cluster) -> None:

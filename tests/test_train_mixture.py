@@ -134,8 +134,10 @@ def test_a_source_in_object_storage_mixes_exactly_like_the_same_source_on_disk(
     torch.set_num_threads(1)
 
     def losses(books_path: str, out: Path) -> list[float]:
-        mixture = [{"name": "web", "path": str(web), "weight": 0.7},
-                   {"name": "books", "path": books_path, "weight": 0.3}]
+        mixture = [
+            {"name": "web", "path": str(web), "weight": 0.7},
+            {"name": "books", "path": books_path, "weight": 0.3},
+        ]
         config = load_config(None, tiny_overrides(web, out, steps=4, **{"data.mixture": mixture}))
         check_data(config)
         trainer = Trainer(config, CPU)

@@ -20,8 +20,9 @@ def record(step: int, loss: float, **extra: object) -> str:
 def test_the_line_follows_metrics_jsonl_as_rank_0_writes_it(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="train")
     metrics = tmp_path / METRICS_FILE
-    progress = RunProgress(tmp_path, total_steps=10, console=Console(file=io.StringIO(), force_terminal=False),
-                           log_every_s=0.0)
+    progress = RunProgress(
+        tmp_path, total_steps=10, console=Console(file=io.StringIO(), force_terminal=False), log_every_s=0.0
+    )
     assert progress.poll() is None  # nothing written yet
     metrics.write_text(record(0, 5.0) + record(1, 4.5, val_loss=4.8) + '{"step": 2, "lo')  # line 3 half written
     assert progress.poll()["step"] == 1

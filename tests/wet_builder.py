@@ -37,8 +37,11 @@ def write_wet(path: Path, docs: list[tuple[str, str | bytes]], gzip: bool = True
             )
             writer.write_record(
                 writer.create_warc_record(
-                    f"https://example.test/{name}", "conversion", payload=io.BytesIO(payload),
-                    length=len(payload), warc_headers=headers,
+                    f"https://example.test/{name}",
+                    "conversion",
+                    payload=io.BytesIO(payload),
+                    length=len(payload),
+                    warc_headers=headers,
                 )
             )
             ids.append(rid)

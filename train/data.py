@@ -123,8 +123,14 @@ def rank_windows(
 
 
 def mixture_rank_windows(
-    seed: int, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int,
-    sizes: Sequence[int], weights: np.ndarray,
+    seed: int,
+    step: int,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum: int,
+    sizes: Sequence[int],
+    weights: np.ndarray,
 ) -> np.ndarray:
     """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
     shape (grad_accum, micro_batch_size): the step's global batch is each source's next sequences, source

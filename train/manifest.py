@@ -79,9 +79,7 @@ def load_manifest(data_dir: str | Path) -> Manifest:
         if not path.is_file():
             if not root.is_dir():
                 raise DataError(f"data dir {root} does not exist{_missing_bucket(root)}")
-            raise DataError(
-                f"{root} has no manifest.json: is it a pipeline output directory (python -m pipeline run)?"
-            )
+            raise DataError(f"{root} has no manifest.json: is it a pipeline output directory (python -m pipeline run)?")
         raw_bytes = path.read_bytes()
     except OSError as exc:  # object storage: no access, unreachable
         raise DataError(f"cannot read {path}: {exc}") from exc

@@ -145,6 +145,5 @@ def check_checkpoints(config: TrainConfig, run_dir: Location) -> None:
     if existing and not config.checkpoint.resume:
         names = ", ".join(existing[:3])
         raise PreflightError(
-            f"{where} already holds checkpoints ({names}): pass --resume to continue that run, "
-            "or choose a new --output"
+            f"{where} already holds checkpoints ({names}): pass --resume to continue that run, or choose a new --output"
         )

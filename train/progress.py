@@ -49,8 +49,13 @@ def describe(record: dict[str, Any], val_loss: float | None) -> str:
 class RunProgress:
     """A background thread that follows ``metrics.jsonl`` until ``stop()``; use as a context manager."""
 
-    def __init__(self, run_dir: str | Path | Location, total_steps: int, console: Console | None = None,
-                 log_every_s: float = PROGRESS_LOG_EVERY_S) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path | Location,
+        total_steps: int,
+        console: Console | None = None,
+        log_every_s: float = PROGRESS_LOG_EVERY_S,
+    ) -> None:
         self.metrics = Location(run_dir).join(METRICS_FILE)
         self.log_every_s = log_every_s
         self._poll_s = REMOTE_POLL_S if self.metrics.is_remote else POLL_S

@@ -67,8 +67,10 @@ class EvalSetConfig(BaseModel):
         if self.is_jsonl and not self.fields:
             raise ValueError(f"eval set {self.name!r}: {self.path} is JSON lines; name its text fields in `fields`")
         if not self.is_jsonl and self.fields:
-            raise ValueError(f"eval set {self.name!r}: `fields` is for JSON lines, {self.path} is read as plain "
-                             "text (one item a line)")
+            raise ValueError(
+                f"eval set {self.name!r}: `fields` is for JSON lines, {self.path} is read as plain "
+                "text (one item a line)"
+            )
         return self
 
 
@@ -115,8 +117,14 @@ class EvalSetIndex:
     tables: dict[int, np.ndarray] = field(default_factory=dict)
 
     def describe(self) -> dict:
-        return {"name": self.name, "path": self.path, "sha256": self.sha256, "items": self.items,
-                "skipped_short": self.skipped_short, "ngrams": sum(len(t) for t in self.tables.values())}
+        return {
+            "name": self.name,
+            "path": self.path,
+            "sha256": self.sha256,
+            "items": self.items,
+            "skipped_short": self.skipped_short,
+            "ngrams": sum(len(t) for t in self.tables.values()),
+        }
 
 
 @dataclass
@@ -158,8 +166,9 @@ def _items_of(spec: EvalSetConfig, path: Path) -> Iterator[str]:
                 values = value if isinstance(value, list) else [value]
                 for v in values:
                     if not isinstance(v, str):
-                        raise PipelineInputError(f"{path}:{lineno}: field {name!r} is not text (eval set "
-                                                 f"{spec.name!r})")
+                        raise PipelineInputError(
+                            f"{path}:{lineno}: field {name!r} is not text (eval set {spec.name!r})"
+                        )
                     yield v
 
 
@@ -188,8 +197,12 @@ def load_eval_set(spec: EvalSetConfig, config: DecontaminationConfig) -> EvalSet
         raise PipelineInputError(f"{spec.path}: cannot read eval set {spec.name!r} ({err})") from err
     index.tables = {n: np.unique(np.concatenate(parts)) for n, parts in hashes.items()}
     if not index.items:
-        log.warning("eval set %s (%s): no item of %s+ words; it can match nothing", spec.name, spec.path,
-                    min_words or config.ngram)
+        log.warning(
+            "eval set %s (%s): no item of %s+ words; it can match nothing",
+            spec.name,
+            spec.path,
+            min_words or config.ngram,
+        )
     return index
 
 

@@ -202,8 +202,13 @@ class MarkDuplicates(Step):
                 drop(doc, stage, reason, duplicate_of=record_id_of(kept))
 
 
-def keyed_batch(config: DedupConfig, doc_keys: list[str], exact_keys: list[bytes], signatures: np.ndarray,
-                shingle_sets: list[np.ndarray | None]) -> dict:
+def keyed_batch(
+    config: DedupConfig,
+    doc_keys: list[str],
+    exact_keys: list[bytes],
+    signatures: np.ndarray,
+    shingle_sets: list[np.ndarray | None],
+) -> dict:
     """What the index shards need of a batch of documents, given what the config enables: exact keys, LSH band
     keys, and the sketch each candidate is verified with (shingle hashes, or the signature itself)."""
     mh = config.minhash

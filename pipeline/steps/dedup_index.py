@@ -77,13 +77,25 @@ class BucketIndex:
         self._requests: dict[str, list[list[str]]] = {}  # as owner: what each shard asks it for
         self._asked: dict[str, list[list[str]]] = {}  # as asker: what it asks each owner for
         self._num_shards = 1
-        self.stats = {"exact_seconds": 0.0, "minhash_seconds": 0.0, "verify_seconds": 0.0, "resolve_seconds": 0.0,
-                      "candidates": 0, "verified": 0, "rounds": 0}
+        self.stats = {
+            "exact_seconds": 0.0,
+            "minhash_seconds": 0.0,
+            "verify_seconds": 0.0,
+            "resolve_seconds": 0.0,
+            "candidates": 0,
+            "verified": 0,
+            "rounds": 0,
+        }
 
     # ---- building the index ----
 
-    def add(self, exact: list[tuple[str, bytes]], doc_keys: list[str], band_keys: np.ndarray | None,
-            sketches: list[np.ndarray] | None) -> int:
+    def add(
+        self,
+        exact: list[tuple[str, bytes]],
+        doc_keys: list[str],
+        band_keys: np.ndarray | None,
+        sketches: list[np.ndarray] | None,
+    ) -> int:
         """Insert one batch's keys for this shard; re-inserting the same document (a retried task) is harmless."""
         started = time.perf_counter()
         for key, ekey in exact:
@@ -281,8 +293,9 @@ def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
     doc_keys = batch["doc_keys"]
     exact = []
     if batch["exact_keys"] is not None:
-        exact = [(k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True)
-                 if owner_of(e, num_shards) == shard_id]
+        exact = [
+            (k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True) if owner_of(e, num_shards) == shard_id
+        ]
     band_keys = batch["band_keys"]
     bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
     if not bands:

@@ -76,14 +76,27 @@ _EMAIL = re.compile(
 _IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)")
 # Words after which a dotted quad is a version or a section number, not an address.
 _NUMBERING_WORDS = (
-    "version", "ver", "release", "build", "firmware", "update", "chapter", "section", "sec", "clause", "article",
-    "figure", "fig", "table", "appendix", "step", "rule",
+    "version",
+    "ver",
+    "release",
+    "build",
+    "firmware",
+    "update",
+    "chapter",
+    "section",
+    "sec",
+    "clause",
+    "article",
+    "figure",
+    "fig",
+    "table",
+    "appendix",
+    "step",
+    "rule",
 )
 _NUMBERING_BEFORE = re.compile(rf"(?:\bv|\b(?:{'|'.join(_NUMBERING_WORDS)})[\s:.#-]*|§\s*)$", re.IGNORECASE)
 # Hex groups and colons (with an optional trailing dotted quad, ::ffff:1.2.3.4), validated by ipaddress.
-_IPV6 = re.compile(
-    r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{1,4})?(?![\w:]|\.\d)"
-)
+_IPV6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:(?:\d{1,3}\.){3}\d{1,3}|[0-9A-Fa-f]{1,4})?(?![\w:]|\.\d)")
 # AWS access key ids: "AKIA" (long-term) or "ASIA" (temporary) + 16 upper-case letters/digits (AWS IAM docs,
 # "Understanding unique ID prefixes").
 _AWS_KEY = re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])")

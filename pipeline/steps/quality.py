@@ -195,44 +195,72 @@ _FINEWEB_REFERENCE = "FineWeb reference filter (datatrove `FineWebQualityFilter`
 
 # Row order is evaluation order (the first rule that fires names the reason) and, through QUALITY_SIGNALS, the
 # order of the signal columns in the parquet files: reordering rows changes the files written.
-GOPHER_QUALITY_RULES = RuleFamily("Gopher quality", "gopher", GopherConfig, rules=(
-    Rule("gopher:min_words", "word_count", "min", "min_words", _GOPHER),
-    Rule("gopher:max_words", "word_count", "max", "max_words", _GOPHER),
-    # One reason for both bounds, as the paper states a single range.
-    Rule("gopher:mean_word_length", "mean_word_length", "min", "min_mean_word_length", _GOPHER),
-    Rule("gopher:mean_word_length", "mean_word_length", "max", "max_mean_word_length", _GOPHER),
-    Rule("gopher:symbol_word_ratio", "symbol_word_ratio", "max", "max_symbol_word_ratio", _GOPHER),
-    Rule("gopher:bullet_lines", "bullet_line_ratio", "max", "max_bullet_line_ratio", _GOPHER),
-    Rule("gopher:ellipsis_lines", "ellipsis_line_ratio", "max", "max_ellipsis_line_ratio", _GOPHER),
-    Rule("gopher:alpha_words", "alpha_word_ratio", "min", "min_alpha_word_ratio", _GOPHER),
-    Rule("gopher:stop_words", "stop_word_count", "min", "min_stop_words", _GOPHER),
-))
+GOPHER_QUALITY_RULES = RuleFamily(
+    "Gopher quality",
+    "gopher",
+    GopherConfig,
+    rules=(
+        Rule("gopher:min_words", "word_count", "min", "min_words", _GOPHER),
+        Rule("gopher:max_words", "word_count", "max", "max_words", _GOPHER),
+        # One reason for both bounds, as the paper states a single range.
+        Rule("gopher:mean_word_length", "mean_word_length", "min", "min_mean_word_length", _GOPHER),
+        Rule("gopher:mean_word_length", "mean_word_length", "max", "max_mean_word_length", _GOPHER),
+        Rule("gopher:symbol_word_ratio", "symbol_word_ratio", "max", "max_symbol_word_ratio", _GOPHER),
+        Rule("gopher:bullet_lines", "bullet_line_ratio", "max", "max_bullet_line_ratio", _GOPHER),
+        Rule("gopher:ellipsis_lines", "ellipsis_line_ratio", "max", "max_ellipsis_line_ratio", _GOPHER),
+        Rule("gopher:alpha_words", "alpha_word_ratio", "min", "min_alpha_word_ratio", _GOPHER),
+        Rule("gopher:stop_words", "stop_word_count", "min", "min_stop_words", _GOPHER),
+    ),
+)
 
-GOPHER_REPETITION_RULES = RuleFamily("Gopher repetition", "gopher", GopherConfig, rules=(
-    Rule("gopher:dup_line_frac", "dup_line_frac", "max", "max_dup_line_frac", _GOPHER_REPETITION),
-    Rule("gopher:dup_para_frac", "dup_para_frac", "max", "max_dup_para_frac", _GOPHER_REPETITION),
-    Rule("gopher:dup_line_char_frac", "dup_line_char_frac", "max", "max_dup_line_char_frac", _GOPHER_REPETITION),
-    Rule("gopher:dup_para_char_frac", "dup_para_char_frac", "max", "max_dup_para_char_frac", _GOPHER_REPETITION),
-    # Table A1 states the n-gram rules as two series: the top n-gram for n = 2..4, duplicated n-grams for 5..10.
-    *(Rule(f"gopher:top_{n}gram", f"top_{n}gram_char_frac", "max", f"max_top_{n}gram_char_frac", _GOPHER_REPETITION)
-      for n in range(2, 5)),
-    *(Rule(f"gopher:dup_{n}gram", f"dup_{n}gram_char_frac", "max", f"max_dup_{n}gram_char_frac", _GOPHER_REPETITION)
-      for n in range(5, 11)),
-))
+GOPHER_REPETITION_RULES = RuleFamily(
+    "Gopher repetition",
+    "gopher",
+    GopherConfig,
+    rules=(
+        Rule("gopher:dup_line_frac", "dup_line_frac", "max", "max_dup_line_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_para_frac", "dup_para_frac", "max", "max_dup_para_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_line_char_frac", "dup_line_char_frac", "max", "max_dup_line_char_frac", _GOPHER_REPETITION),
+        Rule("gopher:dup_para_char_frac", "dup_para_char_frac", "max", "max_dup_para_char_frac", _GOPHER_REPETITION),
+        # Table A1 states the n-gram rules as two series: the top n-gram for n = 2..4, duplicated n-grams for 5..10.
+        *(
+            Rule(
+                f"gopher:top_{n}gram", f"top_{n}gram_char_frac", "max", f"max_top_{n}gram_char_frac", _GOPHER_REPETITION
+            )
+            for n in range(2, 5)
+        ),
+        *(
+            Rule(
+                f"gopher:dup_{n}gram", f"dup_{n}gram_char_frac", "max", f"max_dup_{n}gram_char_frac", _GOPHER_REPETITION
+            )
+            for n in range(5, 11)
+        ),
+    ),
+)
 
-C4_RULES = RuleFamily("C4", "c4", C4Config, rules=(
-    Rule("c4:lorem_ipsum", "c4_has_lorem_ipsum", "flag", "drop_lorem_ipsum", _C4),
-    Rule("c4:curly_bracket", "c4_has_curly_bracket", "flag", "drop_curly_bracket", _C4),
-    Rule("c4:empty_after_line_filter", "c4_removed_line_ratio", "all_removed", "filter_lines", _C4),
-    Rule("c4:too_few_sentences", "c4_sentence_count", "min", "min_sentences", _C4),
-))
+C4_RULES = RuleFamily(
+    "C4",
+    "c4",
+    C4Config,
+    rules=(
+        Rule("c4:lorem_ipsum", "c4_has_lorem_ipsum", "flag", "drop_lorem_ipsum", _C4),
+        Rule("c4:curly_bracket", "c4_has_curly_bracket", "flag", "drop_curly_bracket", _C4),
+        Rule("c4:empty_after_line_filter", "c4_removed_line_ratio", "all_removed", "filter_lines", _C4),
+        Rule("c4:too_few_sentences", "c4_sentence_count", "min", "min_sentences", _C4),
+    ),
+)
 
-FINEWEB_RULES = RuleFamily("FineWeb", "fineweb", FineWebConfig, rules=(
-    Rule("fineweb:line_punct_ratio", "fineweb_line_punct_ratio", "min", "min_line_punct_ratio", _FINEWEB),
-    Rule("fineweb:short_line_ratio", "fineweb_short_line_ratio", "max", "max_short_line_ratio", _FINEWEB),
-    Rule("fineweb:dup_line_char_ratio", "fineweb_dup_line_char_ratio", "max", "max_dup_line_char_ratio", _FINEWEB),
-    Rule("fineweb:list_ratio", "fineweb_newline_word_ratio", "max", "max_newline_word_ratio", _FINEWEB_REFERENCE),
-))
+FINEWEB_RULES = RuleFamily(
+    "FineWeb",
+    "fineweb",
+    FineWebConfig,
+    rules=(
+        Rule("fineweb:line_punct_ratio", "fineweb_line_punct_ratio", "min", "min_line_punct_ratio", _FINEWEB),
+        Rule("fineweb:short_line_ratio", "fineweb_short_line_ratio", "max", "max_short_line_ratio", _FINEWEB),
+        Rule("fineweb:dup_line_char_ratio", "fineweb_dup_line_char_ratio", "max", "max_dup_line_char_ratio", _FINEWEB),
+        Rule("fineweb:list_ratio", "fineweb_newline_word_ratio", "max", "max_newline_word_ratio", _FINEWEB_REFERENCE),
+    ),
+)
 
 RULE_FAMILIES: tuple[RuleFamily, ...] = (GOPHER_QUALITY_RULES, GOPHER_REPETITION_RULES, C4_RULES, FINEWEB_RULES)
 

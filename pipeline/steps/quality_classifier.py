@@ -94,8 +94,10 @@ def load_classifier(path: str, sha256: str | None = None) -> Any:
             return model
         found = describe_model(path)["sha256"] if sha256 else digest
         if found != digest:
-            raise PipelineInputError(f"{path}: quality classifier model changed during the run (sha256 {found}, "
-                                     f"the run started with {digest})")
+            raise PipelineInputError(
+                f"{path}: quality classifier model changed during the run (sha256 {found}, "
+                f"the run started with {digest})"
+            )
         import fasttext
 
         try:
@@ -200,14 +202,23 @@ def _fit(train_file: str, output: str, params: TrainParams) -> None:
     import fasttext
 
     model = fasttext.train_supervised(
-        input=train_file, epoch=params.epochs, lr=params.lr, wordNgrams=params.ngrams, dim=params.dim,
-        bucket=params.bucket, minCount=params.min_count, seed=params.seed, thread=1, verbose=0,
+        input=train_file,
+        epoch=params.epochs,
+        lr=params.lr,
+        wordNgrams=params.ngrams,
+        dim=params.dim,
+        bucket=params.bucket,
+        minCount=params.min_count,
+        seed=params.seed,
+        thread=1,
+        verbose=0,
     )
     model.save_model(output)
 
 
-def train_classifier(positive: str | Path, negative: str | Path, output: str | Path,
-                     params: TrainParams | None = None) -> dict:
+def train_classifier(
+    positive: str | Path, negative: str | Path, output: str | Path, params: TrainParams | None = None
+) -> dict:
     """Train, evaluate on the held-out part, save ``output`` and ``output.json``; return that JSON's content."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -224,8 +235,9 @@ def train_classifier(positive: str | Path, negative: str | Path, output: str | P
     random.Random(params.seed).shuffle(train)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", dir=output.parent,
-                                     prefix=f".{output.name}.train-") as tmp:
+    with tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", suffix=".txt", dir=output.parent, prefix=f".{output.name}.train-"
+    ) as tmp:
         tmp.writelines(f"{lab} {t}\n" for lab, t in train)
         tmp.flush()
         # A fresh process per training: with the installed fastText wheel (fasttext-numpy2-wheel 0.9.2), the
@@ -253,7 +265,10 @@ def train_classifier(positive: str | Path, negative: str | Path, output: str | P
         "heldout_accuracy": round(correct / len(heldout), 6) if heldout else None,
     }
     if not heldout:
-        log.warning("no held-out documents (%d in all, heldout_fraction %s): accuracy not measured",
-                    len(labelled), params.heldout_fraction)
+        log.warning(
+            "no held-out documents (%d in all, heldout_fraction %s): accuracy not measured",
+            len(labelled),
+            params.heldout_fraction,
+        )
     Path(f"{output}.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta

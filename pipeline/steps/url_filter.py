@@ -140,8 +140,12 @@ def load_blocklist(path: str) -> UrlBlocklist:
             prefixes.setdefault(host, set()).add(prefix)
         else:
             domains.append(_host_hash(host))
-    return UrlBlocklist(path, hashlib.sha256(data).hexdigest(), np.unique(np.array(domains, dtype=np.uint64)),
-                        {h: tuple(sorted(p)) for h, p in prefixes.items()})
+    return UrlBlocklist(
+        path,
+        hashlib.sha256(data).hexdigest(),
+        np.unique(np.array(domains, dtype=np.uint64)),
+        {h: tuple(sorted(p)) for h, p in prefixes.items()},
+    )
 
 
 class UrlFilter(Step):
