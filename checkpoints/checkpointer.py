@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,11 @@ class Checkpointer:
         ctx: DistContext,
         run_info: dict[str, Any],
         store: LocalStore | RayStore,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: seconds on a monotonic clock, for ``interval_seconds`` (a test passes its own)."""
         self.config = config
+        self.clock = clock
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -110,7 +114,7 @@ class Checkpointer:
                 # A group of its own for the background save's collectives (creating it is itself a
                 # collective, so every rank does it here, at the same point).
                 self._async_group = dist.new_group(backend="gloo")
-        self._last_save_time = time.monotonic()
+        self._last_save_time = clock()
         self._stall = 0.0
         self._events: list[dict[str, Any]] = []
         self.last_saved: str | None = None
@@ -124,7 +128,7 @@ class Checkpointer:
         if c.interval_steps > 0 and (step + 1) % c.interval_steps == 0:
             kinds.append("periodic")
         if c.interval_seconds > 0:
-            late = torch.tensor([float(time.monotonic() - self._last_save_time >= c.interval_seconds)])
+            late = torch.tensor([float(self.clock() - self._last_save_time >= c.interval_seconds)])
             # Clocks differ between ranks: any rank that is due makes everyone save.
             self.ctx.all_reduce(late, op=dist.ReduceOp.MAX)
             if late.item() and "periodic" not in kinds:
@@ -176,7 +180,7 @@ class Checkpointer:
             self._pending = _Pending(name, step, staging, done, manifest, metrics)
             self._finalize(block=True)
         self.last_saved = name
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self.clock()
         stall = time.perf_counter() - started
         self._stall += stall
         self._events.append({"checkpoint": name, "kinds": kinds, "save_stall_s": stall})

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -194,13 +193,14 @@ def test_torch_compile_compiles_each_block_and_keeps_names_and_losses(token_dir:
 
 
 def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path, tmp_path: Path) -> None:
-    """interval_steps off, interval_seconds on: steps 0-2 are fast (no save), then step 2 is made slow by
-    a step-end callback, so the save check after step 3 finds the interval passed and saves."""
+    """interval_steps off, interval_seconds on: the checkpointer's clock (the test's own) stands still through
+    steps 0-2 (no save), then moves past the interval at the end of step 2, so the save check after step 3 saves."""
     interval = 1.5
+    now = [0.0]
 
     def slow_step_2(info: StepInfo) -> None:
         if info.step == 2:
-            time.sleep(interval + 0.1)
+            now[0] += interval + 0.1
 
     overrides = {
         "checkpoint.enabled": True,
@@ -209,7 +209,7 @@ def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path
         "checkpoint.save_best": False,
         "checkpoint.save_final": False,
     }
-    trainer = Trainer(make_config(token_dir, tmp_path, **overrides), CPU, on_step_end=slow_step_2)
+    trainer = Trainer(make_config(token_dir, tmp_path, **overrides), CPU, on_step_end=slow_step_2, clock=lambda: now[0])
     records = [trainer.run_step() for _ in range(STEPS)]
     saved = [r["step"] for r in records if "checkpoints" in r]
     assert saved == [3]  # not before the slow step, and right after it

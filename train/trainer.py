@@ -98,12 +98,14 @@ class Trainer(Stateful):
         ray_storage: bool = False,
         on_step_end: StepCallback | None = None,
         on_hang: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage (inside a
         Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs).
         ``on_step_end``: called on every rank after each step's logging.
         ``on_hang``: what the watchdog does after logging a hang; default: exit the worker process inside
-        Ray Train (so it restarts the group), only the log in-process (exiting would kill the caller)."""
+        Ray Train (so it restarts the group), only the log in-process (exiting would kill the caller).
+        ``clock``: the checkpointer's clock for ``checkpoint.interval_seconds`` (a test passes its own)."""
         self.config = config
         self.ctx = ctx
         self.on_step_end = on_step_end
@@ -172,7 +174,7 @@ class Trainer(Stateful):
                 "data_manifest_sha256": data_lineage_sha256(self.sources),
                 "data_sources": describe(self.sources),
             }
-            self.checkpointer = Checkpointer(config.checkpoint, ctx, run_info, store)
+            self.checkpointer = Checkpointer(config.checkpoint, ctx, run_info, store, clock=clock)
             # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
