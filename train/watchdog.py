@@ -43,14 +43,22 @@ def exit_worker(report: str) -> None:
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, rank: int, on_hang: Callable[[str], None] | None = exit_worker) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        on_hang: Callable[[str], None] | None = exit_worker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``on_hang(report)`` runs once, on the watchdog's thread, after the report and stacks are logged;
-        None only logs them (in-process runs, where exiting would take the caller down too)."""
+        None only logs them (in-process runs, where exiting would take the caller down too). ``clock``: seconds
+        on a monotonic clock, what progress is measured against (a test passes its own)."""
         self.timeout_s = timeout_s
+        self.clock = clock
         self.rank = rank
         self.on_hang = on_hang
         self._lock = threading.Lock()
-        self._last_beat = time.monotonic()
+        self._last_beat = clock()
         self._phase = "start"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"raylm-watchdog-rank{rank}", daemon=True)
@@ -59,7 +67,7 @@ class StepWatchdog:
     def beat(self, phase: str) -> None:
         """Progress: the rank reached ``phase`` (e.g. ``"step 41 done"``, ``"checkpoint save"``)."""
         with self._lock:
-            self._last_beat = time.monotonic()
+            self._last_beat = self.clock()
             self._phase = phase
 
     def close(self) -> None:
@@ -72,7 +80,7 @@ class StepWatchdog:
         poll = max(0.05, min(self.timeout_s / 10, 10.0))
         while not self._stop.wait(poll):
             with self._lock:
-                idle, phase = time.monotonic() - self._last_beat, self._phase
+                idle, phase = self.clock() - self._last_beat, self._phase
             if idle > self.timeout_s:
                 report = (
                     f"rank {self.rank}: no training progress for {idle:.0f} s (guard.hang_timeout_s = "
