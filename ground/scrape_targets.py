@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,13 @@ class ScrapeTargetRegistry:
     table under a lock.
     """
 
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: seconds on a monotonic clock, what leases run on (a test passes its own)."""
         self.ttl_s = float(ttl_s)
+        self.clock = clock
         self.heartbeat_s = min(self.ttl_s / RENEWALS_PER_TTL, MAX_HEARTBEAT_S)
         self.check_s = min(self.ttl_s / 4, 5.0)
-        self._leases: dict[str, tuple[str, float]] = {}  # path -> (token, lease end on time.monotonic())
+        self._leases: dict[str, tuple[str, float]] = {}  # path -> (token, lease end on self.clock())
         self._seen_dirs: set[str] = set()
         self._lock = threading.Lock()
         # A restarted registry (max_restarts) starts empty: adopt the files the previous one left in the
@@ -215,7 +218,7 @@ class ScrapeTargetRegistry:
         with self._lock:
             self._adopt(os.path.dirname(path))
             write_target_group(Path(path), group)
-            self._leases[path] = (token, time.monotonic() + self.ttl_s)
+            self._leases[path] = (token, self.clock() + self.ttl_s)
         return self.heartbeat_s
 
     def renew(self, path: str, token: str) -> str:
@@ -228,7 +231,7 @@ class ScrapeTargetRegistry:
                 return "unknown"
             if entry[0] not in (token, ""):  # "": adopted from a crashed predecessor, claimed by this renewal
                 return "replaced"
-            self._leases[path] = (token, time.monotonic() + self.ttl_s)
+            self._leases[path] = (token, self.clock() + self.ttl_s)
             return "ok"
 
     def unregister(self, path: str, token: str) -> bool:
@@ -244,7 +247,7 @@ class ScrapeTargetRegistry:
 
     def targets(self) -> dict[str, float]:
         """Registered target files and the seconds left on their leases (for tests and debugging)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             return {path: expires - now for path, (_, expires) in self._leases.items()}
 
@@ -253,7 +256,7 @@ class ScrapeTargetRegistry:
 
     def prune(self) -> list[str]:
         """Delete every target whose lease ran out; returns their paths."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             expired = [path for path, (_, expires) in self._leases.items() if expires < now]
             for path in expired:
@@ -300,7 +303,7 @@ class ScrapeTargetRegistry:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 continue
-            self._leases[key] = ("", time.monotonic() + self.ttl_s)  # no token: its registrant re-registers
+            self._leases[key] = ("", self.clock() + self.ttl_s)  # no token: its registrant re-registers
 
 
 _registry_actor_class: Any = None  # ray.remote(ScrapeTargetRegistry), made on first use (Ray imported late)

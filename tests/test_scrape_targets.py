@@ -85,7 +85,8 @@ def test_local_pruning_removes_dead_writers_but_leaves_registry_files(tmp_path: 
 
 
 def test_registry_leases_renewals_replacement_and_expiry(tmp_path: Path) -> None:
-    registry = ScrapeTargetRegistry(ttl_s=0.6)  # the class alone, as the actor runs it
+    now = [0.0]  # the leases' clock, moved by the test: a loaded machine cannot expire a lease early
+    registry = ScrapeTargetRegistry(ttl_s=0.6, clock=lambda: now[0])  # the class alone, as the actor runs it
     path = str(tmp_path / "raylm-serve-a.json")
     group = {"targets": ["10.0.0.2:9000"], "labels": {"raylm_node_id": "n1"}}
     assert registry.register(path, group, "t1") == pytest.approx(0.2)  # three renewals per lease
@@ -99,10 +100,12 @@ def test_registry_leases_renewals_replacement_and_expiry(tmp_path: Path) -> None
     assert _read_group(Path(path)) == group2
     # Renewed within the lease, a target stays; once renewals stop, it goes at the next check.
     for _ in range(4):
-        time.sleep(0.3)
+        now[0] += 0.3
+        registry.prune()  # as the pruning thread does, every check_s
         assert registry.renew(path, "t2") == "ok"
     assert Path(path).exists()
-    time.sleep(0.6 + registry.check_s + 0.3)
+    now[0] += 0.61
+    registry.prune()
     assert not Path(path).exists() and registry.targets() == {}
     assert registry.renew(path, "t2") == "unknown"  # the registrant's cue to register again
     registry.register(path, group2, "t2")
