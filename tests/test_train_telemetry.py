@@ -323,7 +323,9 @@ def nan_run(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             seen["up"] = query(prom, f'up{{job="raylm-train",raylm_run_id="{RUN_ID}",raylm_rank="0"}}')
             seen["healthy_s"] = time.monotonic() - started
 
-            deadline = time.monotonic() + 30
+            # A bound on the wait, not a latency under test (how fast it fires is the rule's `for:` and the
+            # scrape interval): generous, for a loaded machine.
+            deadline = time.monotonic() + 120
             while not (firing := loss_alerts(prom, "firing")):
                 for _ in range(5):  # a few steps between polls: each poll is two HTTP round trips
                     trainer.run_step()
@@ -375,7 +377,6 @@ def test_poisoned_weights_fire_the_nan_alert_which_was_silent_before(nan_run: di
     assert alert["labels"]["severity"] == "critical"
     (loss,) = nan_run["loss_after"]
     assert loss["value"][1] == "NaN"  # NaN reached Prometheus as NaN
-    assert nan_run["fired_s"] < 40, nan_run["fired_s"]
 
 
 def test_every_training_dashboard_panel_query_returns_data(nan_run: dict[str, Any]) -> None:
