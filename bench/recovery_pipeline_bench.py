@@ -71,7 +71,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the cluster fixture, the sample copies, the bucket upload
 
 from conftest import SAMPLE, sample_copies  # noqa: E402
-from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for  # noqa: E402
+from multinode import (  # noqa: E402
+    MultiNodeCluster,
+    index_shard_node,
+    multinode_cluster,
+    python_module,
+    stored_output,
+    wait_for,
+)
 from remote_servers import upload_dir  # noqa: E402
 
 from ground.storage import Location  # noqa: E402
@@ -148,31 +155,6 @@ class BucketWatch:
                     elif seen.mtimes[-1][1] != mtime:
                         seen.mtimes.append((now, mtime))
             time.sleep(POLL_S)
-
-
-def stored(uri: str) -> dict[str, bytes]:
-    """Every object under ``uri`` but the report (its timings differ run to run), by relative key (as the
-    data-path tests compare outputs)."""
-    fs, base = pafs.FileSystem.from_uri(uri)
-    out = {}
-    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
-        name = info.path[len(base) + 1 :]
-        if info.type == pafs.FileType.File and not name.startswith("report."):
-            with fs.open_input_stream(info.path) as fh:
-                out[name] = fh.read()
-    return out
-
-
-def index_shard_node(cluster: MultiNodeCluster) -> str | None:
-    """The node of a live dedup index shard on a worker, once the dedup pass has made them."""
-    from ray.util.state import list_actors
-
-    workers = {w.node_id for w in cluster.workers}
-    actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
-    return next(
-        (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
-        None,
-    )
 
 
 def job_tasks(cluster: MultiNodeCluster, job: str, *filters: tuple[str, str, str]) -> list[Any]:
@@ -528,11 +510,11 @@ def main() -> int:
                     runs[scenario]["round"] = round_
                     if scenario == "reference":
                         ref = runs[scenario]
-                reference = stored(runs["reference"]["output"])
+                reference = stored_output(runs["reference"]["output"])
                 for scenario in scenarios:
                     run = runs[scenario]
                     run["extra_wall_s"] = run["wall_s"] - runs["reference"]["wall_s"]
-                    run["identical"] = stored(run["output"]) == reference
+                    run["identical"] = stored_output(run["output"]) == reference
                     print(
                         f"  {scenario}: progress {run['progress_s']}, redone {run['redone']}/"
                         f"{run['done_before_loss']}, extra wall {run['extra_wall_s']:.1f} s, "

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -334,3 +335,28 @@ def _teardown(started: MultiNodeCluster) -> None:
     ray.shutdown()
     with _machine_ray_address_kept():
         started.cluster.shutdown()
+
+
+def stored_output(uri: str) -> dict[str, bytes]:
+    """Every object under ``uri`` but the report (its timings differ run to run), by relative key: what two runs of
+    the pipeline must agree on byte for byte."""
+    fs, base = pafs.FileSystem.from_uri(uri)
+    out = {}
+    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
+        name = info.path[len(base) + 1 :]
+        if info.type == pafs.FileType.File and not name.startswith("report."):
+            with fs.open_input_stream(info.path) as fh:
+                out[name] = fh.read()
+    return out
+
+
+def index_shard_node(cluster: MultiNodeCluster) -> str | None:
+    """The node of a live dedup index shard on a worker, once the dedup pass has made them."""
+    from ray.util.state import list_actors
+
+    workers = {w.node_id for w in cluster.workers}
+    actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
+    return next(
+        (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
+        None,
+    )

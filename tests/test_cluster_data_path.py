@@ -19,10 +19,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import pyarrow.fs as pafs
 import pytest
 from conftest import REPO, SAMPLE, sample_copies
-from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
+from multinode import MultiNodeCluster, index_shard_node, multinode_cluster, python_module, stored_output, wait_for
 from ray.job_submission import JobStatus
 from remote_servers import upload_dir
 
@@ -62,20 +61,8 @@ def pipeline_job(cluster: MultiNodeCluster, inputs: str, output: str, *extra: st
     return cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", output, *CONFIG, *extra))
 
 
-def stored(uri: str) -> dict[str, bytes]:
-    """Every object under ``uri`` but the report (its timings differ run to run), by relative key."""
-    fs, base = pafs.FileSystem.from_uri(uri)
-    out = {}
-    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
-        name = info.path[len(base) + 1 :]
-        if info.type == pafs.FileType.File and not name.startswith("report."):
-            with fs.open_input_stream(info.path) as fh:
-                out[name] = fh.read()
-    return out
-
-
 def markers(uri: str, prefix: str) -> set[str]:
-    return {k for k in stored(f"{uri}/.staging/work/done") if k.startswith(prefix)}
+    return {k for k in stored_output(f"{uri}/.staging/work/done") if k.startswith(prefix)}
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +70,9 @@ def reference(cluster: MultiNodeCluster, inputs: str) -> dict[str, bytes]:
     uri = f"{cluster.bucket}/out/reference"
     result = cluster.wait_job(pipeline_job(cluster, inputs, uri), 600)
     assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
-    files = stored(uri)
+    files = stored_output(uri)
     assert "manifest.json" in files and not any(k.startswith(".staging") for k in files)
     return files
-
-
-def index_shard_node(cluster: MultiNodeCluster) -> str | None:
-    """The node of a live dedup index shard on a worker, once the dedup pass has made them."""
-    from ray.util.state import list_actors
-
-    workers = {w.node_id for w in cluster.workers}
-    actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000)
-    return next(
-        (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
-        None,
-    )
 
 
 def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(cluster, inputs, reference):
@@ -111,7 +86,7 @@ def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(
     result = cluster.wait_job(job, 600)
     assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
     assert "rebuilding the index from the persisted keys" in result.logs
-    assert stored(uri) == reference
+    assert stored_output(uri) == reference
 
 
 def lose_a_node_in_the_filter_pass(cluster: MultiNodeCluster, inputs: str, uri: str) -> str:
@@ -133,7 +108,7 @@ def test_losing_a_node_in_the_filter_pass_retries_its_files_and_changes_nothing(
 
     result = cluster.wait_job(job, 600)
     assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
-    assert stored(uri) == reference
+    assert stored_output(uri) == reference
 
 
 def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket(cluster, inputs, reference):
@@ -142,13 +117,13 @@ def test_losing_a_node_and_the_driver_in_the_filter_pass_resumes_from_the_bucket
     cluster.jobs.stop_job(job)  # the driver goes at the same moment
     stopped = cluster.wait_job(job, 120)
     assert stopped.status in (JobStatus.STOPPED, JobStatus.FAILED)
-    assert "manifest.json" not in stored(uri)  # nothing published
+    assert "manifest.json" not in stored_output(uri)  # nothing published
 
     cluster.ensure_workers(2)
     resumed = cluster.wait_job(pipeline_job(cluster, inputs, uri, "--resume"), 600)
     assert resumed.status == JobStatus.SUCCEEDED, resumed.logs[-4000:]
     assert "(resumed)" in resumed.logs
-    assert stored(uri) == reference
+    assert stored_output(uri) == reference
 
 
 def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, reference):
@@ -198,9 +173,9 @@ def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, refe
 
     # Each stage's output is in the bucket, complete; the run trained on every step; every shard a rank read was
     # fetched into its own node's cache, under its sha256 (no node read another's files).
-    manifest = json.loads(stored(data)["manifest.json"])
-    lines = stored(run)["metrics.jsonl"].decode().splitlines()
+    manifest = json.loads(stored_output(data)["manifest.json"])
+    lines = stored_output(run)["metrics.jsonl"].decode().splitlines()
     assert sorted({json.loads(line)["step"] for line in lines if "loss" in json.loads(line)}) == list(range(steps))
-    assert "lineage.json" in stored(model)
+    assert "lineage.json" in stored_output(model)
     cached = {p.parent.name for w in cluster.workers for p in w.cache_dir.glob("sha256/*/*.bin")}
     assert cached and cached <= {s["sha256"] for s in manifest["shards"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,21 @@ def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_weights(token_dir: Path, 
     assert losses == pytest.approx(reference, rel=1e-2) and losses != reference
 
 
+def run_two_gloo_ranks(worker: Callable[..., None], *args: object) -> list[dict]:
+    """``worker(rank, port, *args, queue)`` in two spawned processes that form a gloo group; returns what each
+    put on the queue, by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(rank, port, *args, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+
+
 def _fsdp_bf16_worker(rank: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
     import torch.distributed as dist
 
@@ -88,19 +104,7 @@ def _fsdp_bf16_worker(rank: int, port: int, data: str, out: str, queue: mp.Queue
 def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> None:
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on two gloo ranks: the blocks
     compute in bf16 from fp32 sharded master weights, and the losses track the fp32 single-process run."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_fsdp_bf16_worker, args=(r, port, str(token_dir), str(tmp_path / "fsdp"), queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    results = sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+    results = run_two_gloo_ranks(_fsdp_bf16_worker, str(token_dir), str(tmp_path / "fsdp"))
     reference = Trainer(make_config(token_dir, tmp_path / "fp32"), CPU)
     expected = [reference.train_step()["loss"] for _ in range(STEPS)]
     for r in results:
@@ -139,19 +143,7 @@ def test_a_bad_step_on_one_rank_is_skipped_by_every_rank_at_the_same_step(
 ) -> None:
     """Two gloo ranks; only rank 1's loss goes non-finite, at step 2. Both ranks reach the same verdict, skip that
     step's update and carry on; DDP replicas stay identical (the update they skipped was skipped everywhere)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_guard_worker, args=(r, port, str(token_dir), str(tmp_path / "run"), strategy, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    results = sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+    results = run_two_gloo_ranks(_guard_worker, str(token_dir), str(tmp_path / "run"), strategy)
     for r in results:
         assert r["skipped"] == [False, False, True, False, False], r
         assert [b["step"] for b in r["bad_steps"]] == [2], r
