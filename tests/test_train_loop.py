@@ -139,3 +139,22 @@ def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) 
     assert losses == pytest.approx(expected, rel=1e-6)
     for key, value in straight.gpt.state_dict().items():
         torch.testing.assert_close(resumed.gpt.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_the_ray_train_loggers_quieted_on_the_workers_are_where_ray_keeps_them() -> None:
+    """train.worker quiets Ray Train's per-report lines through loggers private to Ray: pinned here, so a Ray
+    upgrade that moves them fails this test instead of bringing the lines back unnoticed."""
+    import importlib
+    import logging
+
+    from train.worker import RAY_TRAIN_REPORT_LOGGERS, quiet_ray_train_reports
+
+    loggers = [getattr(importlib.import_module(m), "logger", None) for m in RAY_TRAIN_REPORT_LOGGERS]
+    assert all(isinstance(logger, logging.Logger) for logger in loggers), RAY_TRAIN_REPORT_LOGGERS
+    levels = [logger.level for logger in loggers]
+    try:
+        quiet_ray_train_reports()
+        assert all(logger.getEffectiveLevel() == logging.WARNING for logger in loggers)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 import yaml
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from checkpoints.store import storage_path
@@ -88,9 +88,6 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
             name=output.name,
             checkpoint_config=ray_checkpoint_config(config, has_val=bool(manifest.split("val"))),
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
-            # Ray Train's INFO line per ray.train.report and per checkpoint, from every rank, repeats what the
-            # progress line and metrics.jsonl say once; warnings and errors still pass (metrics.ray_train_logs).
-            logging_config=LoggingConfig(log_level="INFO" if config.metrics.ray_train_logs else "WARNING"),
         ),
     )
     progress = RunProgress(output, config.steps) if config.metrics.progress else contextlib.nullcontext()
