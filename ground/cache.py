@@ -38,7 +38,7 @@ def cache_dir() -> Path:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -57,7 +57,7 @@ def fetch_verified(source: Location, sha256: str, cache: Path | None = None) -> 
     entry = (cache or cache_dir()) / "sha256" / sha256 / source.name
     if entry.is_file():
         return entry
-    with _locked(entry.with_name(entry.name + ".lock")):
+    with locked(entry.with_name(entry.name + ".lock")):
         if entry.is_file():  # another process on this node fetched it while we waited
             return entry
         digest = hashlib.sha256()
@@ -99,7 +99,7 @@ def fetch_published(directory: Location, manifest: str, cache: Path | None = Non
     root = (cache or cache_dir()) / "published" / hashlib.sha256(raw).hexdigest()
     if (root / manifest).is_file():
         return root
-    with _locked(root.with_name(root.name + ".lock")):
+    with locked(root.with_name(root.name + ".lock")):
         if (root / manifest).is_file():  # another process on this node fetched it while we waited
             return root
         entries = {name: fetch_verified(directory.join(name), sha256, cache) for name, sha256 in wanted.items()}

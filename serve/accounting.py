@@ -18,22 +18,50 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
+
+# What ray.serve.llm's OpenAiIngress raises when the engine answers with an error (a prompt longer than the context,
+# a bad sampling value): vLLM's status and message. Only its internal module defines it.
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from serve.protocol import APIError
+from vllm.exceptions import VLLMClientError
 
 log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with an OpenAI-style body; raised anywhere in a request, rendered by the app's one handler."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
 
 CLIENT_CLOSED = 499
 # Operator probes, polled by load balancers, dashboards and tests: counting them in raylm_server_requests_total
 # would dilute the 5xx ratio that RayLMErrorRateHigh alerts on. Every other path is counted.
-UNCOUNTED_PATHS = frozenset({"/health", "/v1/engine/stats", "/v1/canary"})
+UNCOUNTED_PATHS = frozenset({"/health", "/v1/canary"})
 OUTCOME_KEY = "raylm.outcome"  # where a request's Outcome lives in its ASGI scope
 # Every counted response names the replica that produced it (its full Serve id, SERVE_REPLICA::app#deployment#id):
 # which replica, and so which node, served a request, also a stream whose replica is lost after its headers went out.
@@ -54,6 +82,20 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
 
+async def _engine_error(request: Request, exc: OpenAIHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if 400 <= exc.status_code < 500 else "server_error"
+    return error_response(APIError(exc.status_code, exc.message, type=kind))
+
+
+async def _engine_client_error(request: Request, exc: VLLMClientError) -> JSONResponse:
+    # A request vLLM refused (a bad value it validates itself) that reached the ingress as the engine replica's task
+    # error: Ray makes that error an instance of the cause's class too, so this handler catches it; its cause holds
+    # vLLM's own message and parameter (the wrapper's text would be a traceback).
+    cause = getattr(exc, "cause", exc)
+    message = str(cause.args[0]) if cause.args else type(cause).__name__
+    return error_response(APIError(400, message, param=getattr(cause, "parameter", None)))
+
+
 async def _route_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     # FastAPI's own parameter validation (path and query parameters) answers 422 in its own shape otherwise.
     first = exc.errors()[0] if exc.errors() else {}
@@ -70,6 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Render every error ``app`` raises, whatever raised it, as OpenAI's error body."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OpenAIHTTPException, _engine_error)
+    app.add_exception_handler(VLLMClientError, _engine_client_error)
     app.add_exception_handler(RequestValidationError, _route_validation_error)
     app.add_exception_handler(Exception, _internal_error)
 
@@ -124,8 +168,7 @@ class RequestAccounting:
             await send(message)
 
         async def capped_receive() -> Message:
-            # A body without Content-Length (chunked) or longer than it claimed is stopped at the cap, not
-            # buffered: the handler's request.body() raises, and the APIError handler answers 413.
+            # A body longer than its Content-Length claimed is stopped at the cap, not buffered.
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -134,12 +177,34 @@ class RequestAccounting:
                     raise _too_large(cap)
             return message
 
+        async def read_capped() -> bytes | None:
+            """A body without Content-Length (chunked), read here up to the cap: the bytes, or None past the cap.
+            Read before the route runs because FastAPI turns any error raised while it reads a body into its own
+            400 ("error parsing the body"), which would hide the 413."""
+            parts, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return b"".join(parts)  # the client left while sending: the route sees a short body
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > cap:
+                    return None
+                if not message.get("more_body", False):
+                    return b"".join(parts)
+
         # Any other exception escaping the app is a server error (ServerErrorMiddleware renders its 500 body).
         counted = (500, "error")
         try:
             declared = _content_length(scope)
             if declared is not None and declared > cap:
                 await error_response(_too_large(cap))(scope, receive, recording_send)
+            elif declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await read_capped()
+                if body is None:
+                    await error_response(_too_large(cap))(scope, receive, recording_send)
+                else:
+                    await self.app(scope, _replay(body, receive), recording_send)
             else:
                 await self.app(scope, capped_receive, recording_send)
         except asyncio.CancelledError:
@@ -169,6 +234,20 @@ class RequestAccounting:
                 counted = (status, outcome.finish_reason or "none")
         finally:
             server.metrics.count_request(*counted)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app ``body`` whole, then passes on what the client sends next (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -1,272 +1,218 @@
-"""The FastAPI ingress deployment: OpenAI-style completions over the batching engine, on Ray Serve.
+"""The serving application: vLLM, hosted by Ray Serve LLM, under raylm's own OpenAI ingress.
 
-Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE stream), ``POST /v1/score``
-(per-token log-likelihood, the canary's probe), ``GET /v1/models`` and ``GET /v1/models/{id}`` (the model
-and its lineage.json), ``GET /health``, ``GET /v1/engine/stats`` (batching counters, for tests and
-operators) and ``GET /v1/canary`` (the canary's last result, when the app runs one).
+Two deployments, built from ``ray.serve.llm``'s public pieces:
 
-One large or slow request must not hold up the others, which share this replica's event loop: the body
-is capped (``serve/accounting.py``), prompts are capped in characters before they are tokenized, and
-tokenizing, detokenizing, log-probabilities and the building of large response bodies all run off the
-event loop (the engine's worker thread or the default executor).
+- **the engine**: ``ExportServer``, a ``ray.serve.llm.deployment.LLMServer`` running vLLM on the export. Before its
+  engine starts, each replica makes the directory vLLM loads on its own node (``serve.model_dir.hf_model_dir``:
+  fetched from object storage into the node's cache and verified, converted from the raylm layout if needed).
+  Everything else is Ray Serve LLM's: the placement group, vLLM's continuous batching and paged KV cache, and
+  vLLM's engine metrics (TTFT, TPOT, queue time, running and waiting requests, KV-cache usage);
+- **the ingress**: ``RayLMIngress``, Ray Serve LLM's ``OpenAiIngress`` with what raylm adds on top. Before a request
+  reaches the engine: the body cap (``serve.accounting``), API keys (``serve.api_keys``), the prompt and choice caps,
+  and the model check. On the way out: every response counted once by status and finish reason, and the request's
+  duration. Its own routes: ``/v1/models`` with the export's lineage, ``/health``,
+  and ``/v1/canary`` (the scheduled canary's last result).
 
-Errors become OpenAI's body, and every response to a counted route is counted once, in
-``serve/accounting.py``; the shapes of the choices, whole or streamed, are in ``serve/response_format.py``.
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (vLLM's OpenAI protocol: JSON or SSE, ``n``,
+``logprobs``, ``echo``; ``echo`` with ``logprobs`` scores the prompt, which is how the canary and
+lm-evaluation-harness score text), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health``,
+``GET /v1/canary``.
 
-Latency is measured where the tokens are: the arrival time is taken when the handler starts, and TTFT,
-TPOT and end-to-end latency are recorded inside the response generator as tokens are produced. (A timer
-around the handler would stop when ``StreamingResponse`` is returned, before the first token.) A client
-that disconnects shows up in the generator as ``asyncio.CancelledError``: the request is counted as
-aborted (status 499, nginx's "client closed request") and the engine frees its slots.
+Chat on a base model: the operator's message template becomes vLLM's chat template
+(``serve.config.chat_template_jinja``), and the chat stops are added to each request's own.
 
 Deploy with ``python -m serve --model DIR`` or ``serve run serve/serve_config.yaml`` (``build_app``).
 """
 
-# No `from __future__ import annotations`: FastAPI reads the route methods' annotations (``request: Request``)
-# at runtime, and Serve's class-based view cannot resolve them as strings.
+# No `from __future__ import annotations`: FastAPI reads the route methods' annotations (``request: Request``, the
+# request bodies) at runtime, and Serve's class-based view cannot resolve them as strings.
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve import Application, Deployment
+from ray.exceptions import RayActorError
+from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
+from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm.deployment import LLMServer
+from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from ground.storage import Location
-from serve.accounting import CLIENT_CLOSED, Outcome, RequestAccounting, install_error_handlers, request_outcome
-from serve.config import DEFAULT_MAX_ONGOING_REQUESTS, AppArgs
-from serve.detok import TokenBytes
-from serve.engine import Engine, Event, SamplingParams
+from serve.accounting import APIError, Outcome, RequestAccounting, install_error_handlers, request_outcome
+from serve.api_keys import ApiKeyAuth, key_digest, read_key_digests
+from serve.config import DEFAULT_AUTOSCALING, DEFAULT_MAX_ONGOING_REQUESTS, AppArgs, chat_template_jinja
 from serve.metrics import ServeMetrics
-from serve.model_dir import load_model_dir
-from serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ScoreRequest,
-    completion_id,
-    parse_body,
-    response_envelope,
-    sse,
-    usage,
-)
-from serve.response_format import ChatFormat, Choice, CompletionFormat, ResponseFormat, json_bytes, sample_seed
+from serve.model_dir import ExportInfo, check_cpu_attention, hf_model_dir, read_export
 
 log = logging.getLogger(__name__)
 
-MAX_SCORE_WINDOWS = 16  # /v1/score accepts up to 16 x block_size tokens: bounded work per request
+ENGINE_HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica's own check before answering 503
 
-api = FastAPI(title="raylm serve", description="OpenAI-compatible completions for raylm GPT exports.")
+api = FastAPI(title="raylm serve", description="OpenAI-compatible completions for raylm exports, on vLLM.")
 install_error_handlers(api)
+# Starlette runs the middleware added last first: accounting wraps the key check, so a 401 is counted too.
+api.add_middleware(ApiKeyAuth)
 api.add_middleware(RequestAccounting)
 
 
-# ---- the deployment ---------------------------------------------------------------------------------------
+class ExportServer(LLMServer):
+    """Ray Serve LLM's vLLM server, on the directory this node makes from the export (``model_source``)."""
+
+    async def __init__(self, llm_config: LLMConfig, **kwargs: Any) -> None:
+        source = llm_config.model_loading_config.model_source
+        local = await asyncio.to_thread(hf_model_dir, source)
+        config = llm_config.model_copy(deep=True)
+        config.model_loading_config.model_source = str(local)
+        config._engine_config = None  # derived from the model source and cached by LLMConfig: derive it anew
+        log.info("vLLM loads %s (export %s)", local, source)
+        await super().__init__(config, **kwargs)
 
 
-@serve.deployment(
-    # Concurrency the replica accepts; the engine runs up to max_batch_size of them and queues the rest
-    # (that queue is what raylm_server_queue_time_seconds measures). Overridden by serve_config.yaml.
-    max_ongoing_requests=DEFAULT_MAX_ONGOING_REQUESTS,
-    ray_actor_options={"num_cpus": 1},
-    health_check_period_s=5,
-)
-@serve.ingress(api)
-class CompletionServer:
-    def __init__(self, args: AppArgs, canary: DeploymentHandle | None = None) -> None:
-        self.args = args
-        # One intra-op thread per CPU the replica reserved: more threads than cores only adds contention
-        # with the other replicas and the proxy on the node.
-        torch.set_num_threads(max(1, int(args.replica_cpus)))
-        self.loaded = load_model_dir(args.model, args.model_name)
-        if torch.cuda.is_available():
-            # Ray exposes a GPU to the replica only when its ray_actor_options ask for one (num_gpus).
-            self.loaded.model.to("cuda")
-        self.engine = Engine(self.loaded, max_batch_size=args.max_batch_size)
-        self.tokens = TokenBytes(self.loaded.tokenizer)
-        self.vocab_size = self.loaded.tokenizer.get_vocab_size(with_added_tokens=True)
+class RayLMIngress(OpenAiIngress):
+    """``OpenAiIngress`` with raylm's caps, keys, accounting, lineage and canary (see the module's docstring)."""
+
+    def __init__(
+        self,
+        llm_deployments: dict[str, DeploymentHandle],
+        model_cards: dict[str, Any],
+        *,
+        args: AppArgs,
+        export: ExportInfo,
+        api_key_digests: tuple[str, ...] = (),
+        canary: DeploymentHandle | None = None,
+    ) -> None:
+        super().__init__(llm_deployments, model_cards)
+        self.args, self.export, self.api_key_digests, self.canary = args, export, api_key_digests, canary
+        self.engine = llm_deployments[export.name]
         try:
-            replica = serve.get_replica_context().replica_id.to_full_id_str()
+            self.replica = serve.get_replica_context().replica_id.to_full_id_str()
         except Exception:  # constructed outside a replica (in-process use)
-            replica = f"local-{os.getpid()}"
-        self.replica = replica
+            self.replica = f"local-{os.getpid()}"
         self.metrics = ServeMetrics(
-            self.loaded.name,
-            self.loaded.lineage_id,
-            state=lambda: (self.engine.num_running, self.engine.num_waiting),
+            export.name,
+            export.lineage_id,
             host=args.metrics_host,
             port=args.metrics_port,
             sd_dir=args.metrics_sd_dir,
-            instance_name=replica,
+            instance_name=self.replica,
         )
-        self.canary = canary
-        self.created = int(Path(self.loaded.path / "model.safetensors").stat().st_mtime)
-        log.info(
-            "serving %s (lineage %s), metrics on %s:%d",
-            self.loaded.name,
-            self.loaded.lineage_id,
-            args.metrics_host,
-            self.metrics.port,
-        )
+        metrics_at = f"{self.metrics.host}:{self.metrics.port}"
+        log.info("serving %s (lineage %s), metrics on %s", export.name, export.lineage_id, metrics_at)
 
-    # ---- routes ------------------------------------------------------------------------------------------
+    # ---- raylm's routes ----------------------------------------------------------------------------------
 
-    @api.get("/health")
-    async def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.loaded.name, "lineage_id": self.loaded.lineage_id}
+    async def health(self) -> JSONResponse:
+        """200 once an engine replica answers its own health check (a load balancer then routes here), 503 while
+        none does: the engine is still starting (vLLM takes a minute on a CPU), or every replica is down."""
+        body = {"model": self.export.name, "lineage_id": self.export.lineage_id}
+        try:
+            await asyncio.wait_for(self.engine.check_health.remote(), ENGINE_HEALTH_TIMEOUT_S)
+        except Exception as exc:  # no replica within the timeout, or the engine said it is unhealthy
+            reason = "no engine replica is ready" if isinstance(exc, TimeoutError) else f"engine unhealthy: {exc!r}"
+            return JSONResponse({"status": "unavailable", "reason": reason, **body}, status_code=503)
+        return JSONResponse({"status": "ok", **body})
 
-    @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_card()]}
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    @api.get("/v1/models/{model_id:path}")
-    async def model(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id)
-        return self._model_card()
+    async def model_data(self, model: str) -> JSONResponse:
+        self._check_model(model)
+        return JSONResponse(self._model_card())
 
-    @api.get("/v1/engine/stats")
-    async def engine_stats(self) -> dict[str, Any]:
-        return {"replica": self.replica, "metrics_port": self.metrics.port, **self.engine.snapshot()}
-
-    @api.get("/v1/canary")
     async def canary_status(self) -> JSONResponse:
         if self.canary is None:
             raise APIError(404, "this app runs no canary", type="not_found_error")
         return JSONResponse(await self.canary.status.remote())
 
-    @api.post("/v1/score")
-    async def score(self, request: Request) -> JSONResponse:
-        body: ScoreRequest = parse_body(await request.body(), ScoreRequest)
-        self._check_model(body.model)
-        self._check_chars(len(body.text), "text")
-        (ids,) = await self.engine.tokenize([body.text])
-        limit = MAX_SCORE_WINDOWS * self.loaded.block_size
-        if len(ids) - 1 > limit:
-            raise APIError(
-                400,
-                f"text has {len(ids) - 1} tokens; /v1/score takes at most {limit}",
-                param="text",
-                code="context_length_exceeded",
-            )
-        logps = await self.engine.score(ids)
-        total = float(sum(logps))
-        return JSONResponse(
-            {
-                "object": "score",
-                "model": self.loaded.name,
-                "lineage_id": self.loaded.lineage_id,
-                "tokens": len(ids) - 1,
-                "token_ids": ids[1:],
-                "token_logprobs": logps,
-                "sum_logprob": total,
-                "mean_logprob": total / (len(ids) - 1),
-            }
-        )
+    # ---- the engine's routes, behind the caps ------------------------------------------------------------
 
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
-        prompts = body.prompts()
-        self._check_choices(len(prompts), body.n)
-        if isinstance(prompts[0], str):
-            self._check_chars(sum(len(p) for p in prompts), "prompt")
-            prompt_ids = await self.engine.tokenize(prompts)  # type: ignore[arg-type]
-            echoes: list[str] = prompts  # type: ignore[assignment]
-            client_start = [False] * len(prompts)
-        else:
-            prompt_ids = await asyncio.to_thread(self._token_prompts, prompts)  # type: ignore[arg-type]
-            client_start = [self._starts_document(ids) for ids in prompts]  # type: ignore[arg-type]
-            # Echoed as the tokenizer decodes them, special tokens included (they were in the prompt).
-            decode = self.loaded.tokenizer.decode_batch
-            echoes = await asyncio.to_thread(decode, prompts, skip_special_tokens=False) if body.echo else []
-        for ids in prompt_ids:
-            self._check_context(len(ids) - 1, body.max_tokens)
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stop_sequences,
-            ignore_eos=body.ignore_eos,
-            logprobs=body.logprobs,
-            # Echo with logprobs scores the prompt too, from the prefill's logits (how lm-evaluation-harness
-            # computes loglikelihoods with max_tokens 0 or 1).
-            prompt_logprobs=body.echo and body.logprobs is not None,
-        )
-        choices = [
-            Choice(
-                index=p * body.n + j,  # OpenAI's order: the n samples of the first prompt, then the next prompt's
-                prompt_ids=ids,
-                params=replace(params, seed=sample_seed(body.seed, j), client_start=client_start[p]),
-                echo=echoes[p] if body.echo else None,
-            )
-            for p, ids in enumerate(prompt_ids)
-            for j in range(body.n)
-        ]
-        fmt = CompletionFormat(self.tokens, body.logprobs)
-        return await self._respond(request, fmt, choices, arrival, body.stream, body.include_usage)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
+        if isinstance(prompts[0], int):  # one prompt of token ids
+            prompts = [prompts]
+        self._check_choices(len(prompts), body.n or 1)
+        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        with engine_loss_as_503():
+            response = await super().completions(body, request)
+        return self._counted(response, request_outcome(request), arrival)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
-        self._check_choices(1, body.n)
-        prompt = self.render_chat([(m.role, m.text) for m in body.messages])
-        self._check_chars(len(prompt), "messages")
-        (ids,) = await self.engine.tokenize([prompt])
-        # Default: the rest of the context (OpenAI's chat has no default cap); the stops usually end it sooner.
-        max_tokens = body.completion_limit or max(self.loaded.block_size - (len(ids) - 1), 1)
-        self._check_context(len(ids) - 1, max_tokens, "messages")
-        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=(*body.stop_sequences, *self.args.chat_stop),
-            ignore_eos=body.ignore_eos,
-            logprobs=top_logprobs,
-        )
-        choices = [Choice(j, ids, replace(params, seed=sample_seed(body.seed, j))) for j in range(body.n)]
-        fmt = ChatFormat(self.tokens, top_logprobs)
-        return await self._respond(request, fmt, choices, arrival, body.stream, body.include_usage)
+        self._check_choices(1, body.n or 1)
+        self._check_chars(sum(_content_chars(m.get("content")) for m in body.messages), "messages")
+        own = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        body.stop = [*own, *(s for s in self.args.chat_stop if s not in own)]
+        with engine_loss_as_503():
+            response = await super().chat(body, request)
+        return self._counted(response, request_outcome(request), arrival)
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[tuple[str, str]]) -> str:
-        """The transcript the base model continues: each message through the template, then the prefix."""
-        template = self.args.chat_message_template
-        return "".join(template.format(role=role, content=content) for role, content in messages) + (
-            self.args.chat_assistant_prefix
-        )
+    def _counted(self, response: Response, outcome: Outcome, arrival: float) -> Response:
+        """Record how the request ended (for the accounting's count) and its latency, as the client sees them."""
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._watch_stream(response.body_iterator, outcome, arrival)
+            return response
+        if response.status_code == 200:
+            outcome.finish_reason = "length" if b'"finish_reason":"length"' in response.body else "stop"
+            self.metrics.observe_duration(time.monotonic() - arrival)
+        return response
+
+    async def _watch_stream(self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float) -> AsyncIterator[str]:
+        """The engine's SSE chunks, passed on untouched; on the way: the finish reason, and an error the engine
+        reported after the 200 went out (counted as the 500 it is). An engine that fails mid-stream (its replica
+        died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut.
+        Latency per token is the engine's own metric."""
+        try:
+            async for chunk in chunks:
+                if '"finish_reason":"length"' in chunk:
+                    outcome.finish_reason = "length"
+                if 'data: {"error"' in chunk or '"object":"error"' in chunk:
+                    outcome.status, outcome.finish_reason = 500, "error"
+                yield chunk
+        except Exception as exc:  # not CancelledError: a client that leaves is counted as such by the accounting
+            if isinstance(exc, RayActorError):
+                log.warning("the engine replica of a stream was lost: %s", exc)
+                error = replica_lost()
+            else:
+                log.exception("the engine failed mid-stream")
+                error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+            outcome.status, outcome.finish_reason = error.status_code, "error"
+            yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
+            return
+        if outcome.status is None:
+            outcome.finish_reason = outcome.finish_reason or "stop"
+            self.metrics.observe_duration(time.monotonic() - arrival)
 
     def _model_card(self) -> dict[str, Any]:
+        export = self.export
         return {
-            "id": self.loaded.name,
+            "id": export.name,
             "object": "model",
-            "created": self.created,
+            "created": export.created,
             "owned_by": "raylm",
-            "lineage_id": self.loaded.lineage_id,
-            "lineage": self.loaded.lineage,
-            "context_length": self.loaded.block_size,
+            "lineage_id": export.lineage_id,
+            "lineage": export.lineage,
+            "context_length": export.context_length,
         }
 
     def _check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.loaded.name:
+        if requested is not None and requested != self.export.name:
             raise APIError(
                 404,
-                f"The model {requested!r} does not exist; this server serves {self.loaded.name!r}",
-                type="invalid_request_error",
+                f"The model {requested!r} does not exist; this server serves {self.export.name!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -292,208 +238,116 @@ class CompletionServer:
                 code="prompt_too_long",
             )
 
-    def _token_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Token-id prompts, checked against the vocabulary, after the document-start token (a prompt that
-        already starts with it keeps its own: a second one would shift every position the model sees)."""
-        for ids in prompts:
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise APIError(
-                    400,
-                    f"token id {bad} is not in the vocabulary (0..{self.vocab_size - 1})",
-                    param="prompt",
-                    code="invalid_value",
-                )
-        return [ids if self._starts_document(ids) else [self.loaded.eot_id, *ids] for ids in prompts]
-
-    def _starts_document(self, ids: list[int]) -> bool:
-        return bool(ids) and ids[0] == self.loaded.eot_id
-
-    def _check_context(self, prompt_tokens: int, max_tokens: int, param: str = "prompt") -> None:
-        block = self.loaded.block_size
-        if max_tokens > block:
-            raise APIError(
-                400,
-                f"max_tokens {max_tokens} exceeds the model's context of {block} tokens",
-                param="max_tokens",
-                code="invalid_value",
-            )
-        # OpenAI's rule: prompt plus completion must fit the context window. The document-start token takes
-        # a position too, so a prompt scored with max_tokens 0 may have at most block - 1 tokens.
-        if prompt_tokens + max(max_tokens, 1) > block:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {block} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-                "completion)."
-                + (" With max_tokens 0 the prompt may have at most context - 1." if not max_tokens else ""),
-                param=param,
-                code="context_length_exceeded",
-            )
-
-    async def _respond(
-        self,
-        request: Request,
-        fmt: ResponseFormat,
-        choices: list[Choice],
-        arrival: float,
-        stream: bool,
-        include_usage: bool,
-    ) -> Response:
-        outcome = request_outcome(request)
-        # Each prompt once, whatever n (OpenAI's usage); the n choices of a prompt share its id list.
-        prompt_tokens = sum(c.prompt_tokens for c in {id(c.prompt_ids): c for c in choices}.values())
-        run = self._run(choices, arrival, outcome)
-        if stream:
-            return StreamingResponse(
-                self._sse(fmt, choices, run, prompt_tokens, include_usage), media_type="text/event-stream"
-            )
-        async with contextlib.aclosing(run):
-            async for _, event in run:
-                if event.finish_reason == "error":
-                    raise APIError(500, f"generation failed: {event.error}", type="server_error")
-        # A long echo with logprobs is thousands of entries: build and serialise it off the event loop.
-        content = await asyncio.to_thread(self._full_body, fmt, choices, prompt_tokens)
-        return Response(content, media_type="application/json")
-
-    def _full_body(self, fmt: ResponseFormat, choices: list[Choice], prompt_tokens: int) -> bytes:
-        body = response_envelope(
-            completion_id(fmt.id_prefix),
-            fmt.object_full,
-            self.loaded.name,
-            self.loaded.lineage_id,
-            [fmt.full(choice) for choice in choices],
-            usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
-        )
-        return json_bytes(body)
-
-    async def _run(
-        self, choices: list[Choice], arrival: float, outcome: Outcome
-    ) -> AsyncIterator[tuple[Choice, Event]]:
-        """Every choice's engine events, merged as they arrive, with the request's metrics recorded on the way.
-
-        Each choice is its own engine sequence (its own slot, seed and stop), pumped by a task into one
-        queue. An error event ends the run: the request failed, the other choices are cancelled. Leaving
-        early (client gone, consumer closed) cancels them too, and the engine frees their slots.
-        """
-        queue: asyncio.Queue[tuple[Choice, Event]] = asyncio.Queue()
-
-        async def pump(choice: Choice) -> None:
-            try:
-                events = self.engine.generate(choice.prompt_ids, choice.params, arrival)
-                async with contextlib.aclosing(events):
-                    async for event in events:
-                        queue.put_nowait((choice, event))
-            except Exception as exc:  # the engine refused the sequence: this choice, and so the request, fails
-                log.exception("generation failed")
-                queue.put_nowait((choice, Event("", choice.completion_tokens, "error", error=repr(exc))))
-
-        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
-        pending, first_at = len(choices), None
-        try:
-            while pending:
-                choice, event = await queue.get()
-                first_at = first_at if first_at is not None else time.monotonic()
-                if event.scheduled_at is not None:
-                    self.metrics.observe_queue(event.scheduled_at - arrival)
-                    self.metrics.add_tokens("input", choice.prompt_tokens)
-                self.metrics.add_tokens("output", event.completion_tokens - choice.completion_tokens)
-                choice.record(event)
-                pending -= event.finish_reason is not None
-                # Decide before yielding the last event: the consumer may stop right after it.
-                if event.finish_reason == "error":
-                    outcome.status, outcome.finish_reason = 500, "error"
-                elif not pending:
-                    reasons = {c.finish_reason for c in choices}
-                    outcome.finish_reason = "length" if "length" in reasons else "stop"
-                    longest = max(c.completion_tokens for c in choices)
-                    self.metrics.observe_success(first_at - arrival, time.monotonic() - arrival, longest)
-                yield choice, event
-                if event.finish_reason == "error":
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
-            # CancelledError: the client went away while we awaited the engine; GeneratorExit: while the
-            # response was sending a chunk (the stream closed us).
-            if outcome.status is None and pending:
-                outcome.status, outcome.finish_reason = CLIENT_CLOSED, "abort"
-            raise
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _sse(
-        self,
-        fmt: ResponseFormat,
-        choices: list[Choice],
-        run: AsyncIterator[tuple[Choice, Event]],
-        prompt_tokens: int,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        cid, created = completion_id(fmt.id_prefix), int(time.time())
-        name, fingerprint = self.loaded.name, self.loaded.lineage_id
-
-        def chunk(choice: Choice, event: Event) -> str | None:
-            shaped = fmt.chunk(choice, event)
-            if shaped is None:
-                return None
-            return sse(response_envelope(cid, fmt.object_chunk, name, fingerprint, [shaped], None, created))
-
-        failed = False
-        async with contextlib.aclosing(run):  # type: ignore[type-var]
-            async for choice, event in run:
-                if event.finish_reason == "error":
-                    failed = True
-                    yield sse(APIError(500, f"generation failed: {event.error}", type="server_error").body())
-                    break
-                # The first chunk of an echo with logprobs carries the whole prompt's: render it off the loop.
-                heavy = bool(event.prompt_logprobs)
-                out = await asyncio.to_thread(chunk, choice, event) if heavy else chunk(choice, event)
-                if out is not None:
-                    yield out
-        if include_usage and not failed:
-            final = response_envelope(cid, fmt.object_chunk, name, fingerprint, [], None, created)
-            final["usage"] = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
-            yield sse(final)
-        yield sse("[DONE]")
-
-    def check_health(self) -> None:
-        """Serve's replica health check: a replica whose engine loop crashed is restarted."""
-        error = self.engine.loop_error
-        if error is not None:
-            raise RuntimeError(f"engine loop died: {error!r}")
-
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica.
         self.metrics.close()
-        await self.engine.shutdown()
 
 
-def server_deployment(opts: AppArgs) -> Deployment:
-    """``CompletionServer`` with the deployment options ``opts`` asks for (replicas, CPUs, concurrency)."""
-    deployment_opts: dict[str, Any] = {"ray_actor_options": {"num_cpus": opts.replica_cpus}}
-    if opts.max_ongoing_requests is not None:
-        deployment_opts["max_ongoing_requests"] = opts.max_ongoing_requests
+# An engine replica lost while it held a request (its process or node died): the answer serve/proxy_guard.py gives
+# when it is the ingress that is lost, so a client sees one error for either (503, code replica_unavailable).
+def replica_lost() -> APIError:
+    return APIError(
+        503,
+        "the engine replica serving this request was lost before it finished (its process or node failed); the "
+        "request did not complete and can be retried",
+        type="server_error",
+        code="replica_unavailable",
+    )
+
+
+@contextlib.contextmanager
+def engine_loss_as_503() -> Iterator[None]:
+    try:
+        yield
+    except RayActorError as exc:  # ActorDiedError, ActorUnavailableError: the engine replica went away
+        log.warning("the engine replica of a request was lost: %s", exc)
+        raise replica_lost() from exc
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a chat message's content: a string, or OpenAI's list of parts (the text ones count)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
+ENDPOINTS = {
+    "health": lambda app: app.get("/health"),
+    "models": lambda app: app.get("/v1/models"),
+    "model_data": lambda app: app.get("/v1/models/{model:path}"),
+    "canary_status": lambda app: app.get("/v1/canary"),
+    "completions": lambda app: app.post("/v1/completions"),
+    "chat": lambda app: app.post("/v1/chat/completions"),
+}
+
+
+def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
+    """The engine's ``LLMConfig``: the export as the model source, vLLM's arguments, resources and replicas."""
+    engine_kwargs = {
+        "dtype": "float32",  # the export's precision (serve/config.py: engine_kwargs); overridable
+        **opts.engine_kwargs,
+        "max_num_seqs": opts.max_batch_size,
+        "chat_template": chat_template_jinja(opts.chat_message_template, opts.chat_assistant_prefix),
+    }
+    if opts.replica_gpus:
+        engine_kwargs["tensor_parallel_size"] = opts.replica_gpus
+        bundles = [{"CPU": opts.replica_cpus, "GPU": 1}] + [{"GPU": 1}] * (opts.replica_gpus - 1)
+    else:
+        bundles = [{"CPU": opts.replica_cpus}]
+    deployment: dict[str, Any] = {
+        "max_ongoing_requests": opts.max_ongoing_requests or DEFAULT_MAX_ONGOING_REQUESTS,
+        # The replica actor itself reserves nothing: Ray Serve LLM adds its reservation to the engine's first bundle,
+        # and the engine (vLLM's worker, a child of the replica) is what uses the replica_cpus the bundle reserves.
+        "ray_actor_options": {"num_cpus": 0},
+    }
     if opts.max_replicas_per_node is not None:
-        deployment_opts["max_replicas_per_node"] = opts.max_replicas_per_node
+        deployment["max_replicas_per_node"] = opts.max_replicas_per_node
     if opts.num_replicas is not None:
-        deployment_opts["num_replicas"] = opts.num_replicas
-    elif opts.autoscaling_config is not None:
-        deployment_opts["autoscaling_config"] = opts.autoscaling_config
-    return CompletionServer.options(**deployment_opts)
+        deployment["num_replicas"] = opts.num_replicas
+    else:
+        deployment["autoscaling_config"] = opts.autoscaling_config or DEFAULT_AUTOSCALING
+    experimental: dict[str, Any] = {}
+    if opts.stream_batching_interval_ms is not None:
+        experimental["stream_batching_interval_ms"] = opts.stream_batching_interval_ms
+    return LLMConfig(
+        model_loading_config={"model_id": export.name, "model_source": export.uri},
+        engine_kwargs=engine_kwargs,
+        placement_group_config={"bundles": bundles},
+        # vLLM's CPU build sizes its KV cache from this variable (the CUDA build ignores it).
+        runtime_env={"env_vars": {**opts.engine_env, "VLLM_CPU_KVCACHE_SPACE": str(opts.cpu_kv_cache_gib)}},
+        deployment_config=deployment,
+        experimental_configs=experimental,
+        log_engine_metrics=True,
+    )
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Application builder for ``serve run serve.app:build_app model=DIR`` and serve_config.yaml.
 
-    Takes a plain dict (not an annotated pydantic model) because Serve only converts the args for
-    builders whose annotation is a class, and postponed annotations here are strings.
+    Takes a plain dict (not an annotated pydantic model) because Serve only converts the args for builders whose
+    annotation is a class, and postponed annotations here are strings; and only that dict, because Serve calls a
+    builder with exactly one parameter.
     """
+    return compose_app(args, ExportServer, RayLMIngress)
+
+
+def compose_app(args: dict[str, Any], engine_cls: type[ExportServer], ingress_cls: type[RayLMIngress]) -> Application:
+    """The application of ``build_app``, with the two deployments' classes given (a subclass wraps one, as the
+    fault-injecting tests do)."""
     opts = AppArgs.model_validate(args)
-    # Resolved here, on the driver: a relative path means the caller's working directory, not the replica's. A URI
-    # stays one: each replica fetches the export into its own node's cache (serve.model_dir).
-    opts = opts.model_copy(update={"model": Location(opts.model).uri})
-    canary = None
+    # Read here, on the driver: a relative path means the caller's working directory, not the replica's; a URI stays
+    # one, and each replica fetches the export into its own node's cache.
+    export = read_export(opts.model, opts.model_name)
+    if not opts.replica_gpus:
+        check_cpu_attention(export)
+    digests = read_key_digests(opts.api_key_file) if opts.api_key_file else ()
+    canary, canary_key = None, None
+    if digests:
+        # The canary's own key, made for this deployment and gone with it: no operator key leaves the driver.
+        canary_key = secrets.token_urlsafe(32)
+        digests = (*digests, key_digest(canary_key))
     if opts.canary_evalset:
         from serve.canary import CanaryDeployment
 
@@ -504,5 +358,18 @@ def build_app(args: dict[str, Any]) -> Application:
             min_score=opts.canary_min_score,
             metrics_host=opts.metrics_host,
             metrics_sd_dir=opts.metrics_sd_dir,
+            api_key=canary_key,
         )
-    return server_deployment(opts).bind(opts, canary)
+    config = llm_config(opts, export)
+    engine = build_llm_deployment(config, deployment_cls=engine_cls, name_prefix="ExportServer:")
+    ingress = serve.deployment(make_fastapi_ingress(ingress_cls, endpoint_map=ENDPOINTS, app=api), name="RayLMIngress")
+    options = OpenAiIngress.get_deployment_options([config])
+    options["ray_actor_options"] = {"num_cpus": opts.ingress_cpus}
+    return ingress.options(**options).bind(
+        llm_deployments={export.name: engine},
+        model_cards={export.name: export.name},  # OpenAiIngress looks only at the keys; the cards are ours
+        args=opts,
+        export=export,
+        api_key_digests=digests,
+        canary=canary,
+    )

@@ -4,7 +4,9 @@
     python -m serve.canary build --data PIPELINE_OUTPUT_DIR --output FILE
 
 Each run asks ``GET /v1/models`` which model (lineage id) is live, scores every held-out text through
-``POST /v1/score`` and publishes the token-weighted mean log-likelihood (nats/token; higher is better)
+``POST /v1/completions`` with ``echo`` and ``logprobs`` (the prompt's own log-probabilities, as
+lm-evaluation-harness scores text: :func:`score_text`) and publishes the token-weighted mean log-likelihood
+(nats/token; higher is better)
 as ``raylm_canary_score``, with items passed/total, run duration and last-success timestamp, labelled
 ``eval_set="<name>@<version>"``, ``gen_ai_request_model`` and ``raylm_lineage_id``. Scoring is
 deterministic (no sampling), so a changed score means a changed model, not noise.
@@ -41,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ray import serve
 
 from ground.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
+from serve.api_keys import ApiKeyError, read_keys
 from serve.config import DEFAULT_CANARY_INTERVAL_S
 from serve.evalset import EvalSet, EvalSetError, build_evalset, load_evalset
 
@@ -93,6 +96,32 @@ class CanaryMetrics:
         self.last_success.labels(*labels).set(time.time())
 
 
+class ScoreError(RuntimeError):
+    pass
+
+
+def score_text(session: requests.Session, endpoint: str, model: str, text: str, timeout: float) -> tuple[float, int]:
+    """(sum of log-probabilities, tokens scored) of ``text`` as a document, from the endpoint's prompt logprobs.
+
+    The server puts the document-start token before a text prompt (the export's tokenizer does); the engine has no
+    log-probability for the first position, so the text's own tokens, every one conditioned on what precedes it,
+    are what is summed. ``max_tokens`` 1: the one generated token is not part of the text and is left out."""
+    body = {"model": model, "prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0.0}
+    resp = session.post(f"{endpoint}/v1/completions", json=body, timeout=timeout)
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {}
+    if resp.status_code != 200:
+        raise ScoreError(f"HTTP {resp.status_code} {data.get('error', {}).get('message', resp.text[:200])}")
+    prompt_tokens = data["usage"]["prompt_tokens"]
+    logprobs = data["choices"][0]["logprobs"]["token_logprobs"][:prompt_tokens]
+    scored = [lp for lp in logprobs[1:] if lp is not None]
+    if len(scored) != prompt_tokens - 1 or not scored or not all(math.isfinite(lp) for lp in scored):
+        raise ScoreError(f"the endpoint returned {len(scored)} finite log-probabilities for {prompt_tokens - 1} tokens")
+    return float(sum(scored)), len(scored)
+
+
 class Canary:
     def __init__(
         self,
@@ -102,6 +131,7 @@ class Canary:
         min_score: float | None = None,
         registry: CollectorRegistry | None = None,
         timeout: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.evalset = evalset
@@ -114,6 +144,8 @@ class Canary:
             self.metrics.min_score.labels(evalset.label).set(min_score)
         self.last: dict[str, Any] = {"status": "not run yet", "eval_set": evalset.label}
         self._session = requests.Session()
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
 
     def _model(self) -> tuple[str, str]:
         resp = self._session.get(f"{self.endpoint}/v1/models", timeout=self.timeout)
@@ -129,16 +161,14 @@ class Canary:
             model, lineage = self._model()
             total_logprob, total_tokens, passed, failures = 0.0, 0, 0, []
             for item in self.evalset.items:
-                resp = self._session.post(
-                    f"{self.endpoint}/v1/score", json={"text": item.text, "model": model}, timeout=self.timeout
-                )
-                body = resp.json()
-                if resp.status_code != 200 or not math.isfinite(body.get("sum_logprob", math.nan)):
-                    failures.append(f"{item.id}: HTTP {resp.status_code} {body.get('error', {}).get('message', '')}")
+                try:
+                    logprob, tokens = score_text(self._session, self.endpoint, model, item.text, self.timeout)
+                except ScoreError as exc:
+                    failures.append(f"{item.id}: {exc}")
                     continue
                 passed += 1
-                total_logprob += body["sum_logprob"]
-                total_tokens += body["tokens"]
+                total_logprob += logprob
+                total_tokens += tokens
             if self._model() != (model, lineage):
                 failures.append("the served model changed during the run")
         except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
@@ -185,8 +215,9 @@ class CanaryDeployment:
         min_score: float | None = None,
         metrics_host: str = "127.0.0.1",
         metrics_sd_dir: str | None = str(DEFAULT_SD_DIR),
+        api_key: str | None = None,
     ) -> None:
-        self.canary = Canary(endpoint, load_evalset(evalset), interval, min_score)
+        self.canary = Canary(endpoint, load_evalset(evalset), interval, min_score, api_key=api_key)
         self.endpoint = expose(
             self.canary.registry, metrics_host, 0, metrics_sd_dir, f"{socket.gethostname()}-{os.getpid()}"
         )
@@ -218,9 +249,18 @@ def _build_main(argv: list[str]) -> int:
     parser.add_argument("--name", default="val-loglik", help="eval set name (default: val-loglik)")
     parser.add_argument("--items", type=int, default=16, help="number of documents (default: 16)")
     parser.add_argument("--max-chars", type=int, default=1200, help="truncate each document (default: 1200)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help="also cut each document to this many tokens of the data's tokenizer: at most the served model's context "
+        "minus 2 (the document-start token, and the one token the scoring request generates); the engine refuses "
+        "a longer item (default: no cut)",
+    )
     args = parser.parse_args(argv)
     try:
-        evalset = build_evalset(args.data, args.output, args.name, args.items, max_chars=args.max_chars)
+        evalset = build_evalset(
+            args.data, args.output, args.name, args.items, max_chars=args.max_chars, max_tokens=args.max_tokens
+        )
     except EvalSetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -244,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     when.add_argument("--interval", type=float, default=interval, help="seconds between runs (default: %(default)s)")
     when.add_argument("--once", action="store_true", help="run once, print the result as JSON, exit 0/1")
     parser.add_argument("--min-score", type=float, help="export raylm_canary_min_score (the alert threshold)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-file", help="the API key file of the endpoint (python -m serve --api-key-file)")
+    keys.add_argument("--api-key-env", default="RAYLM_API_KEY", help="env var with the endpoint's API key, if any")
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--metrics-port", type=int, default=9466, help="scrape port (default: 9466; 0 = any)")
     parser.add_argument("--metrics-sd-dir", default=str(DEFAULT_SD_DIR), help="file_sd dir ('' to skip)")
@@ -253,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, EvalSetError, KeyError, json.JSONDecodeError) as exc:
         print(f"error: cannot read eval set: {exc}", file=sys.stderr)
         return 2
-    canary = Canary(args.endpoint, evalset, args.interval, args.min_score)
+    try:
+        api_key = read_keys(args.api_key_file)[0] if args.api_key_file else os.environ.get(args.api_key_env)
+    except ApiKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    canary = Canary(args.endpoint, evalset, args.interval, args.min_score, api_key=api_key)
     if args.once:
         result = canary.run_once()
         print(json.dumps(result, indent=2))

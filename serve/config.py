@@ -8,16 +8,23 @@ shares the canary and metrics defaults. Light on purpose (pydantic only): the CL
 
 from __future__ import annotations
 
+import json
+import string
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ground.scrape_targets import DEFAULT_SD_DIR
 
-# Sequences decoded together per replica: the KV cache holds this many slots.
+# Sequences decoded together per replica (vLLM's max_num_seqs); vLLM queues the rest.
 DEFAULT_MAX_BATCH_SIZE = 8
-# Concurrency a replica accepts (Serve's own default is 5). The engine decodes max_batch_size of them per
-# step and queues the rest, where raylm_server_queue_time_seconds measures the wait.
+# KV cache of a replica on a CPU node, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; a GPU replica sizes its cache from
+# engine_kwargs.gpu_memory_utilization instead). 1 GiB holds ~21k positions of the demo model (6 layers x 384 wide,
+# fp32: 2 x 6 x 384 x 4 bytes = 18 KiB a position): every slot of a full batch at full context, many times over.
+DEFAULT_CPU_KV_CACHE_GIB = 1
+# Concurrency an engine replica accepts (Serve's own default is 5; Ray Serve LLM's, a billion). vLLM decodes
+# max_batch_size of them per step and queues the rest (ray_vllm_request_queue_time_seconds measures that wait); past
+# this many, requests wait in Serve's router, where the overload alert watches them and autoscaling counts them.
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_CANARY_INTERVAL_S = 300.0  # seconds between canary runs over the eval set
 # Request caps, checked before any work is done for a request (see serve/README.md, "Caps").
@@ -28,7 +35,7 @@ DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 # on one core of the shared test VM (1 MB in ~2 s), so this bounds a request's tokenizer time to ~0.4 s (off the
 # event loop); it is about 40 times the text a 1024-token context holds, so prompts that fit are not refused.
 DEFAULT_MAX_PROMPT_CHARS = 200_000
-# Sequences one request may start (prompts x n): each one is a prefill and a KV slot's worth of decoding.
+# Sequences one request may start (prompts x n): each one is a prefill and a sequence's worth of decoding.
 DEFAULT_MAX_CHOICES = 64
 # Chat on a base model (not instruction-tuned): each message is rendered with the template, the prefix is
 # appended, and the model continues the transcript; the stops end its turn when it starts writing the next
@@ -62,6 +69,28 @@ class AppArgs(BaseModel):
     max_replicas_per_node: int | None = Field(None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     replica_cpus: float = Field(1.0, gt=0)
+    # GPUs per replica: 0 runs vLLM on the CPUs (the vllm-cpu build); n > 0 gives each replica n GPUs, one per
+    # tensor-parallel rank (the vllm build; see cluster/README.md).
+    replica_gpus: int = Field(0, ge=0)
+    cpu_kv_cache_gib: int = Field(DEFAULT_CPU_KV_CACHE_GIB, ge=1)
+    # vLLM's engine arguments, passed through (enforce_eager, dtype, max_model_len, gpu_memory_utilization, ...):
+    # with no dtype, raylm serves in float32, the export's own precision (vLLM's "auto" picks bfloat16 on a CPU,
+    # which moves log-probabilities by ~3e-3 nats from the model's; set dtype: bfloat16 for speed over that).
+    # https://docs.vllm.ai/en/latest/configuration/engine_args.html. What raylm sets itself (max_num_seqs from
+    # max_batch_size, the chat template, tensor_parallel_size from replica_gpus) is refused here, naming the field.
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Environment of the engine replicas (VLLM_CPU_OMP_THREADS_BIND, HF_HUB_OFFLINE, ...), set through their runtime
+    # env so that it reaches every node; VLLM_CPU_KVCACHE_SPACE comes from cpu_kv_cache_gib.
+    engine_env: dict[str, str] = Field(default_factory=dict)
+    # How long the engine replica gathers a stream's chunks before sending them to the ingress as one message (Ray
+    # Serve LLM's stream batching; its default, 50 ms, when unset): fewer messages per token, chunkier streams.
+    stream_batching_interval_ms: float | None = Field(None, gt=0)
+    # CPUs reserved for the ingress replica (caps, keys, accounting, then a handle call per request). Its work per
+    # token is small next to the engine's, and on a small node a whole CPU for it leaves the engine one fewer.
+    ingress_cpus: float = Field(0.0, ge=0)
+    # A file of API keys, one per line (blank lines and #-comments skipped): requests to /v1/* must carry one as
+    # "Authorization: Bearer KEY", or get 401. Read on the driver; the replicas get only their sha256.
+    api_key_file: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     metrics_sd_dir: str | None = str(DEFAULT_SD_DIR)
@@ -89,9 +118,39 @@ class AppArgs(BaseModel):
             raise ValueError("must contain {content}")
         return value
 
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs_not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
+        ours = {"max_num_seqs": "max_batch_size", "chat_template": "chat_message_template",
+                "tensor_parallel_size": "replica_gpus"}  # fmt: skip
+        for key, field in ours.items():
+            if key in value:
+                raise ValueError(f"{key} is set by raylm from {field}: set {field} instead")
+        return value
+
     @field_validator("chat_stop")
     @classmethod
     def _stops_non_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
+
+
+def chat_template_jinja(message_template: str, assistant_prefix: str) -> str:
+    """The chat template vLLM renders (Jinja) for ``message_template`` (a ``str.format`` template with ``{role}`` and
+    ``{content}``) and ``assistant_prefix``: the transcript a base model continues, after the document-start token.
+
+    The literal parts go in as Jinja string literals (``json.dumps``: Jinja reads its escapes), so no character of
+    the operator's template can open a Jinja tag."""
+    parts = []
+    for literal, field, spec, conversion in string.Formatter().parse(message_template):
+        if literal:
+            parts.append("{{ " + json.dumps(literal) + " }}")
+        if field is not None:
+            if spec or conversion:
+                raise ValueError(f"chat_message_template: {{{field}}} takes no format spec or conversion")
+            parts.append("{{ message['" + field + "'] }}")
+    return (
+        "{{ bos_token }}{% for message in messages %}" + "".join(parts) + "{% endfor %}"
+        "{% if add_generation_prompt %}{{ " + json.dumps(assistant_prefix) + " }}{% endif %}"
+    )

@@ -51,7 +51,7 @@ def _truncate(text: str, max_chars: int) -> str:
 
 def fit_tokens(text: str, count_tokens: Callable[[str], int], max_tokens: int) -> str:
     """The longest prefix of ``text`` ending at a whitespace (or the whole text) with at most ``max_tokens``
-    tokens: an item that fits one context window is scored the same way by every scorer (our /v1/score, the
+    tokens: an item that fits one context window is scored the same way by every scorer (the canary's echo, the
     harness's rolling windows), with no windowing choices between them."""
     if count_tokens(text) <= max_tokens:
         return text

@@ -58,7 +58,8 @@ def controller_env() -> dict[str, str]:
 
 
 def error_body(message: str) -> dict[str, Any]:
-    """OpenAI's error body, the shape of ``serve.protocol.APIError.body()`` (not imported: it pulls in torch)."""
+    """OpenAI's error body, the shape of ``serve.accounting.APIError.body()`` (not imported: the proxy would load
+    FastAPI's app, vLLM's exceptions and the rest of the ingress's imports)."""
     return {"error": {"message": message, "type": "server_error", "param": None, "code": CODE}}
 
 

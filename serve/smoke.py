@@ -17,7 +17,8 @@ from serve.evalset import load_evalset
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wait_healthy(base_url: str, timeout: float = 120.0) -> None:
+def wait_healthy(base_url: str, timeout: float = 600.0) -> None:
+    # /health answers 200 once the engine is ready: vLLM's start takes about a minute on a small CPU machine.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -30,12 +31,13 @@ def wait_healthy(base_url: str, timeout: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def stream_completion(base_url: str, prompt: str, max_tokens: int, seed: int = 0) -> str:
+def stream_completion(base_url: str, prompt: str, max_tokens: int, seed: int = 0, api_key: str | None = None) -> str:
     """POST a streaming completion and print each server-sent text chunk as it arrives."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed, "stream": True}
     text = []
     print(f"\n--- streamed completion for {prompt!r} ---\n{prompt}", end="", flush=True)
-    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as resp:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with requests.post(f"{base_url}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines(decode_unicode=True):
             if not line or not line.startswith("data: "):
@@ -59,12 +61,14 @@ def metrics_targets(sd_dir: str | Path) -> list[str]:
     return urls
 
 
-def run_smoke(base_url: str, prompt: str, max_tokens: int, evalset: str | None, sd_dir: str) -> dict:
+def run_smoke(
+    base_url: str, prompt: str, max_tokens: int, evalset: str | None, sd_dir: str, api_key: str | None = None
+) -> dict:
     wait_healthy(base_url)
-    completion = stream_completion(base_url, prompt, max_tokens)
+    completion = stream_completion(base_url, prompt, max_tokens, api_key=api_key)
     result: dict = {"completion_chars": len(completion)}
     if evalset:
-        canary = Canary(base_url, load_evalset(evalset), interval=0).run_once()
+        canary = Canary(base_url, load_evalset(evalset), interval=0, api_key=api_key).run_once()
         result["canary"] = canary
         if canary["status"] == "success":
             print(

@@ -9,7 +9,13 @@
 * A moto S3 server is the only shared storage. Its AWS variables (endpoint, fake credentials, region) reach every
   raylet the same way, so tasks, actors and jobs on any node read and write ``s3://``.
 * Worker ``i`` carries the custom resource ``worker-<i>`` (1 unit) and the head ``head``, so a test can pin work
-  to a node.
+  to a node; a worker may carry more (``add_worker(resources=...)``: the serving tests' ingress nodes).
+* ``MultiNodeCluster.lose_node`` is a VM loss: every process of the node SIGKILLed at once.
+* Serving on it (the serving node-loss test and bench): ``start_serving`` runs the raylm app from a Serve config, as
+  a job, with the ingress pinned to ingress nodes; :class:`Load` sends completions and records what each client saw;
+  :func:`arrange_loss` puts a stream and a non-streaming request on one engine replica, exactly, before its node is
+  lost, and :func:`probe_onto` a request on a given engine replica; :class:`ServingApp` reads Serve's state, the
+  replicas' counts of requests in hand, the proxy's log and the metrics.
 
 Use :func:`multinode_cluster` as a context manager from a module-scoped fixture::
 
@@ -24,21 +30,31 @@ stopped, the driver disconnects, every node is killed, moto stops, the environme
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import json
+import os
+import re
 import secrets
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import pyarrow.fs as pafs
 import pytest
 import ray
+import requests
 from ray.cluster_utils import Cluster
 from ray.job_submission import JobStatus, JobSubmissionClient
 from remote_servers import FAKE_KEY_ID, FAKE_SECRET, make_bucket, moto_server
@@ -88,6 +104,8 @@ class NodeHandle:
     index: int  # 0 is the head
     node: Any  # ray._private.node.Node, set once started
     scratch: Path
+    num_cpus: int = WORKER_CPUS
+    resources: dict[str, float] = field(default_factory=dict)  # beyond CPUs and ``resource``
 
     @property
     def node_id(self) -> str:
@@ -134,22 +152,51 @@ class MultiNodeCluster:
         """The environment a raylet starts with (its workers and job drivers inherit it)."""
         return self.aws_env | {"RAYLM_CACHE_DIR": str(scratch / "cache"), "TMPDIR": str(scratch / "tmp")}
 
-    def add_worker(self, num_cpus: int = WORKER_CPUS) -> NodeHandle:
-        """A new worker node (a raylet with its own scratch directory and resource ``worker-<i>``), once GCS lists
-        it alive."""
-        handle = NodeHandle(self._next_index, None, _scratch(self.root, self._next_index))
+    def add_worker(self, num_cpus: int = WORKER_CPUS, resources: Mapping[str, float] | None = None) -> NodeHandle:
+        """A new worker node (a raylet with its own scratch directory and resource ``worker-<i>``, plus
+        ``resources``), once GCS lists it alive."""
+        index = self._next_index
+        handle = NodeHandle(index, None, _scratch(self.root, index), num_cpus, dict(resources or {}))
         self._next_index += 1
         handle.node = self.cluster.add_node(
-            num_cpus=num_cpus, resources={handle.resource: 1}, env_vars=self.node_env(handle.scratch), wait=True
+            num_cpus=num_cpus,
+            resources={handle.resource: 1, **handle.resources},
+            env_vars=self.node_env(handle.scratch),
+            wait=True,
         )
         self.workers.append(handle)
         wait_for(lambda: handle.node_id in self.alive_node_ids(), 60, f"node {handle.resource} to be alive")
         return handle
 
     def ensure_workers(self, count: int) -> None:
-        """Add worker nodes until ``count`` are alive (a test that killed one leaves the next a whole cluster)."""
-        while len(self.workers) < count:
+        """Add worker nodes until ``count`` with CPUs are alive (a test that killed one leaves the next a whole
+        cluster); nodes without CPUs (an ingress node) do not count."""
+        while len(self.cpu_workers) < count:
             self.add_worker()
+
+    @property
+    def cpu_workers(self) -> list[NodeHandle]:
+        return [w for w in self.workers if w.num_cpus]
+
+    def nodes_with(self, resource: str) -> list[NodeHandle]:
+        """The live worker nodes that carry ``resource``."""
+        return [w for w in self.workers if resource in w.resources]
+
+    def lose_node(self, worker: NodeHandle) -> None:
+        """A VM loss: SIGKILL every process of the node at once (its raylet and agents, and the workers they started,
+        which on their own outlive a killed raylet by up to a second), then let the cluster declare it dead."""
+        roots = [info.process.pid for infos in worker.node.all_processes.values() for info in infos]
+        procs = []
+        for pid in roots:
+            try:
+                root = psutil.Process(pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        self.kill_node(worker)
 
     def kill_node(self, worker: NodeHandle) -> None:
         """SIGKILL the node's raylet and every process it started (its workers, actors, agents), as a spot reclaim
@@ -178,7 +225,7 @@ class MultiNodeCluster:
         working_dir is uploaded. The driver runs on the head, which holds no CPUs, so it outlives any worker."""
         command = " ".join(shlex.quote(arg) for arg in entrypoint)
         runtime_env = {"env_vars": TRAIN_ENV | dict(env_vars or {})}
-        job_id = wait_for(lambda: _try_submit(self.jobs, command, runtime_env), 60, "the job agent to take a job")
+        job_id = wait_for(lambda: _try_submit(self.jobs, command, runtime_env), 120, "the job agent to take a job")
         self._jobs.append(job_id)
         return job_id
 
@@ -276,7 +323,7 @@ def multinode_cluster(root: Path, workers: int = 2) -> Iterator[MultiNodeCluster
             s3_endpoint=endpoint,
             bucket=f"s3://{BUCKET}",
             aws_env=aws,
-            head=NodeHandle(0, None, _scratch(root, 0)),
+            head=NodeHandle(0, None, _scratch(root, 0), num_cpus=0),
             dashboard_url=f"http://127.0.0.1:{dashboard_port}",
         )
         stack.callback(_teardown, started)
@@ -360,3 +407,443 @@ def index_shard_node(cluster: MultiNodeCluster) -> str | None:
         (a.node_id for a in actors if a.class_name == "BucketIndex" and a.state == "ALIVE" and a.node_id in workers),
         None,
     )
+
+
+# ---- serving on the cluster (tests/test_serve_node_loss.py, bench/recovery_serve_bench.py) -----------------------
+
+SERVE_APP = "raylm"
+INGRESS = "RayLMIngress"  # serve/app.py's ingress deployment; the engine's is "ExportServer:<model name>"
+# The custom resource of the nodes the ingress is pinned to (by the test's Serve config, not by raylm): a node that
+# holds no engine replica, so losing an engine's node leaves the ingress up, and losing the ingress's node is a case
+# of its own.
+INGRESS_RESOURCE = "raylm-ingress"
+REPLICA_HEADER = "x-raylm-replica"  # the ingress replica that answered (serve/accounting.py)
+# Connect, and each read: a response that stops arriving is a failure, not a hang. A non-streamed completion of a few
+# hundred tokens is one read, tens of seconds while a vLLM replica starts on the same two cores.
+CLIENT_TIMEOUT = (5, 120)
+# Two vLLM replicas starting together on this 2-core machine, each converting the export on its node first: ~3 min.
+SERVE_START_TIMEOUT_S = 420
+PROMPT = "The history of the"
+_RECORD_START = re.compile(r"^(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-)", re.M)
+
+
+def publish_export(cluster: MultiNodeCluster, export: Path, staging: Path) -> str:
+    """``export`` published to the cluster's bucket as ``python -m train.export --output s3://…`` does it (every
+    file, then lineage.json listing each one's size and sha256, last), under ``models/<its name>``: the URI."""
+    from ground.storage import Location
+    from train.export import LINEAGE
+    from train.run_dir import publish_files
+
+    staging.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        shutil.copyfile(export / name, staging / name)
+    location = Location(f"{cluster.bucket}/models/{export.name}")
+    publish_files(staging, location, LINEAGE, json.loads((export / LINEAGE).read_text()))
+    return location.uri
+
+
+def start_serving(cluster: MultiNodeCluster, model_uri: str, work: Path, max_batch_size: int = 8) -> ServingApp:
+    """The raylm app on the cluster, as ``serve run`` of a Serve config submitted as a job (serve/serve_config.yaml's
+    route): 2 engine replicas of ``model_uri``, each taking all of a worker node's CPUs (``replica_cpus``), so one
+    runs on each of the two CPU workers and a replacement waits for a node; the ingress pinned to a 0-CPU ingress
+    node (the config's ``deployments:`` override of its ``ray_actor_options``, test setup: raylm itself leaves the
+    ingress where Serve puts it); the one HTTP proxy on the head (``proxy_location: HeadOnly``), which is never lost,
+    as clients reach a cluster through its head, with serve/proxy_guard.py installed (``controller_options``)."""
+    from serve.proxy_guard import controller_env
+
+    cluster.ensure_workers(2)
+    if not cluster.nodes_with(INGRESS_RESOURCE):
+        cluster.add_worker(num_cpus=0, resources={INGRESS_RESOURCE: 1})
+    port, sd_dir = free_port(), work / "prom_sd"
+    args = {
+        "model": model_uri,
+        "num_replicas": 2,
+        "replica_cpus": WORKER_CPUS,
+        "max_batch_size": max_batch_size,
+        "metrics_sd_dir": str(sd_dir),
+        "engine_kwargs": {"enforce_eager": True},  # tests/serve_fixtures.py: fast_start
+    }
+    ingress = {"name": INGRESS, "ray_actor_options": {"num_cpus": 0, "resources": {INGRESS_RESOURCE: 0.01}}}
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "controller_options": {"runtime_env": {"env_vars": controller_env()}},
+        "applications": [
+            {"name": SERVE_APP, "route_prefix": "/", "import_path": "serve.app:build_app", "args": args,
+             "deployments": [ingress]},
+        ],
+    }  # fmt: skip
+    path = work / "serve_config.yaml"
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    job = cluster.submit(python_module("ray.serve.scripts", "run", str(path)))
+    model_name = model_uri.rstrip("/").rsplit("/", 1)[-1]
+    return ServingApp(cluster, job, port, sd_dir, f"ExportServer:{model_name}", model_name)
+
+
+@dataclass
+class ServingApp:
+    """The app ``start_serving`` runs, and what the cluster says about it."""
+
+    cluster: MultiNodeCluster
+    job: str
+    port: int
+    sd_dir: Path  # the ingress's Prometheus file_sd targets
+    engine: str  # the engine deployment's name
+    model: str  # what clients send as "model"
+    _handles: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ---- Serve's view
+
+    def replicas(self, deployment: str) -> dict[str, str]:
+        """The deployment's live replica actors: name (``SERVE_REPLICA::app#deployment#id``, Serve's full replica id,
+        which ``x-raylm-replica`` names) -> node id."""
+        return {a.name: a.node_id for a in self._replica_actors(deployment) if a.state == "ALIVE"}
+
+    def actor_id(self, replica: str) -> str:
+        return next(a.actor_id for a in self._replica_actors(replica.split("#")[1]) if a.name == replica)
+
+    def _replica_actors(self, deployment: str) -> list:
+        from ray.util.state import list_actors
+
+        actors = list_actors(
+            address=self.cluster.dashboard_url, timeout=10, limit=10_000, raise_on_missing_output=False
+        )
+        return [a for a in actors if a.class_name == f"ServeReplica:{SERVE_APP}:{deployment}"]
+
+    def states(self, deployment: str) -> dict[str, int]:
+        """Serve's count of the deployment's replicas by state (RUNNING, STARTING, ...)."""
+        from ray import serve
+
+        app = serve.status().applications.get(SERVE_APP)
+        found = app.deployments.get(deployment) if app else None
+        states = found.replica_states if found else {}
+        return {getattr(state, "value", state): n for state, n in states.items() if n}
+
+    def ongoing(self, replicas: Iterable[str]) -> dict[str, int]:
+        """Requests each replica is handling now, as it counts them (the number Serve's router asks replicas for)."""
+        names = list(replicas)
+        for name in names:
+            if name not in self._handles:
+                self._handles[name] = ray.get_actor(name, namespace="serve")
+        counts = ray.get([self._handles[n].get_num_ongoing_requests.remote() for n in names], timeout=10)
+        return dict(zip(names, counts, strict=True))
+
+    def check_job(self) -> None:
+        """Fail at once, with the reason, when ``serve run`` exited or Serve gave up deploying the app."""
+        from ray import serve
+
+        if self.cluster.jobs.get_job_status(self.job).is_terminal():
+            raise AssertionError(f"serve run exited:\n{self.cluster.job_logs(self.job)[-5000:]}")
+        app = serve.status().applications.get(SERVE_APP)
+        if app is not None and getattr(app.status, "value", app.status) == "DEPLOY_FAILED":
+            raise AssertionError(f"Serve could not deploy the app: {app.message}")
+
+    def ready(self) -> dict[str, str] | None:
+        """The engine replicas (name -> node) once 2 run, one on each CPU worker node, and the ingress runs on an
+        ingress node; None until then."""
+        self.check_job()
+        engines, ingress = self.replicas(self.engine), self.replicas(INGRESS)
+        placed = sorted(engines.values()) == sorted(w.node_id for w in self.cluster.cpu_workers)
+        ingress_nodes = {w.node_id for w in self.cluster.nodes_with(INGRESS_RESOURCE)}
+        pinned = len(ingress) == 1 and set(ingress.values()) <= ingress_nodes
+        running = self.states(self.engine) == {"RUNNING": 2} and self.states(INGRESS) == {"RUNNING": 1}
+        return engines if placed and pinned and running else None
+
+    def wait_ready(self, timeout_s: float = SERVE_START_TIMEOUT_S) -> dict[str, str]:
+        try:
+            return wait_for(self.ready, timeout_s, "2 engine replicas, one on each CPU worker, and the ingress", 0.5)
+        except WaitTimeout as exc:
+            from ray import serve
+
+            app = serve.status().applications.get(SERVE_APP)
+            raise WaitTimeout(
+                f"{exc}\nengines {self.replicas(self.engine)} {self.states(self.engine)}, ingress "
+                f"{self.replicas(INGRESS)} {self.states(INGRESS)}, CPU workers "
+                f"{[w.node_id for w in self.cluster.cpu_workers]}; app: {app}\n--- serve run's log (tail) ---\n"
+                f"{self.cluster.job_logs(self.job)[-5000:]}"
+            ) from None
+
+    def ingress(self) -> tuple[str, str]:
+        """The ingress replica and its node."""
+        ((name, node),) = self.replicas(INGRESS).items()
+        return name, node
+
+    # ---- the proxy's log (Ray's session logs, which every node of this machine shares)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.cluster.head.node.get_logs_dir_path()) / "serve"
+
+    def proxy_failures(self) -> dict[str, str]:
+        """Request id -> the record of each request Serve's proxy on the head logged as failed ("Request failed: ...",
+        with the error Ray gave it: for a dead replica, its actor name and why it died)."""
+        failures = {}
+        for log in self.log_dir.glob("proxy_*.log"):
+            for record in _RECORD_START.split(log.read_text()):
+                found = re.match(r"\S+ \S+ \S+ \S+ \S+ (\S+) -- Request failed: ", record)
+                if found:
+                    failures[found.group(1)] = record
+        return failures
+
+    # ---- metrics
+
+    def lost_request_counts(self) -> dict[str, float]:
+        """serve/proxy_guard.py's counter on the head node's Ray metrics port, by ``stream`` label."""
+        head = next(n for n in ray.nodes() if n["NodeID"] == self.cluster.head.node_id)
+        text = requests.get(f"http://127.0.0.1:{head['MetricsExportPort']}/metrics", timeout=CLIENT_TIMEOUT).text
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("ray_raylm_proxy_replica_lost_requests_total{"):
+                labels, value = line.rsplit(" ", 1)
+                kind = re.search(r'stream="(\w+)"', labels).group(1)
+                counts[kind] = counts.get(kind, 0) + float(value)
+        return counts
+
+    def ingress_counts(self, replica: str) -> dict[str, float]:
+        """The ingress replica's ``raylm_server_requests_total`` by status code, from its own scrape endpoint
+        (serve/metrics.py; found through the file_sd target it registered)."""
+        for path in self.sd_dir.glob("raylm-serve-*.json"):
+            for group in json.loads(path.read_text()):
+                if group["labels"].get("raylm_replica") == replica:
+                    text = requests.get(f"http://{group['targets'][0]}/metrics", timeout=CLIENT_TIMEOUT).text
+                    counts: dict[str, float] = {}
+                    for line in text.splitlines():
+                        if line.startswith("raylm_server_requests_total{"):
+                            labels, value = line.rsplit(" ", 1)
+                            status = re.search(r'status_code="(\d+)"', labels).group(1)
+                            counts[status] = counts.get(status, 0) + float(value)
+                    return counts
+        raise AssertionError(f"no scrape target for {replica} in {self.sd_dir}")
+
+
+@dataclass
+class Request:
+    """One completion request, as its client saw it."""
+
+    stream: bool
+    started: float
+    request_id: str  # sent as x-request-id: Serve's request id, in the proxy's and every replica's log lines for it
+    probe: bool = False  # sent by arrange_loss, not by a client thread
+    ended: float | None = None
+    status: int | None = None
+    replica: str | None = None  # x-raylm-replica: the ingress replica
+    body: dict | None = None  # a non-streaming response's JSON
+    events: list = field(default_factory=list)  # a stream's data payloads: dicts, then "[DONE]"
+    exception: str | None = None  # the client's error (a cut connection, a timeout), if any
+    first_at: float | None = None  # a stream's first chunk, or a non-streamed response's body
+
+    @property
+    def ok(self) -> bool:
+        if self.exception or self.status != 200:
+            return False
+        if not self.stream:
+            return self.body is not None and len(self.body.get("choices", ())) == 1
+        return self.events[-1:] == ["[DONE]"] and not any("error" in e for e in self.events if isinstance(e, dict))
+
+    @property
+    def chunks(self) -> int:
+        return sum(1 for e in self.events if isinstance(e, dict) and "choices" in e)
+
+    @property
+    def error(self) -> dict | None:
+        """The OpenAI error object the client got: a response's body, or a stream's error event."""
+        if self.body is not None:
+            return self.body.get("error")
+        return next((e["error"] for e in reversed(self.events) if isinstance(e, dict) and "error" in e), None)
+
+
+class Load:
+    """Client threads sending completions back to back until stopped: ``stream_clients`` streaming,
+    ``plain_clients`` not, each request's outcome recorded (in flight too). ``pause`` holds back new requests
+    (those in flight go on); ``probe`` sends one request outside the clients. A client stuck past the stop is
+    listed in ``stuck``, for the caller to judge."""
+
+    def __init__(
+        self, base: str, model: str, stream_clients: int, plain_clients: int, max_tokens: int,
+        timeout: tuple[float, float] = CLIENT_TIMEOUT,
+    ) -> None:  # fmt: skip
+        self.base, self.timeout = base, timeout
+        self.body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
+        self.requests: list[Request] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.paused = False
+        kinds = [True] * stream_clients + [False] * plain_clients
+        self.threads = [threading.Thread(target=self._client, args=(s,), daemon=True) for s in kinds]
+        self.started = self.stopped = 0.0
+        self.stuck: list[Request] = []
+
+    def __enter__(self) -> Load:
+        self.started = time.monotonic()
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.stopped = time.monotonic()
+        deadline = time.monotonic() + 2 * self.timeout[1]
+        for thread in list(self.threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.stuck = [r for r in self.snapshot() if r.ended is None]
+
+    def snapshot(self) -> list[Request]:
+        with self.lock:
+            return list(self.requests)
+
+    def in_flight(self) -> list[Request]:
+        return [r for r in self.snapshot() if r.ended is None]
+
+    def pause(self) -> None:
+        with self.lock:  # a client past this point has its request listed already
+            self.paused = True
+
+    def resume(self) -> None:
+        with self.lock:
+            self.paused = False
+
+    def probe(self, stream: bool) -> Request:
+        request = self._new(stream, probe=True)
+        thread = threading.Thread(target=self._send, args=(request,), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+        return request
+
+    def _new(self, stream: bool, probe: bool = False) -> Request | None:
+        with self.lock:
+            if not probe and (self.paused or self.stopping.is_set()):
+                return None
+            request = Request(stream, time.monotonic(), uuid.uuid4().hex, probe)
+            self.requests.append(request)
+            return request
+
+    def _client(self, stream: bool) -> None:
+        while not self.stopping.is_set():
+            request = self._new(stream)
+            if request is None:
+                time.sleep(0.02)
+            else:
+                self._send(request)
+
+    def _send(self, req: Request) -> None:
+        try:
+            with requests.post(
+                f"{self.base}/v1/completions",
+                json={**self.body, "stream": req.stream},
+                headers={"x-request-id": req.request_id},
+                stream=req.stream,
+                timeout=self.timeout,
+            ) as response:
+                req.status = response.status_code
+                req.replica = response.headers.get(REPLICA_HEADER)
+                if req.stream and response.status_code == 200:
+                    for line in response.iter_lines():
+                        if line.startswith(b"data: "):
+                            payload = line[len(b"data: ") :].decode()
+                            event = payload if payload == "[DONE]" else json.loads(payload)
+                            if req.first_at is None and isinstance(event, dict) and "choices" in event:
+                                req.first_at = time.monotonic()
+                            req.events.append(event)
+                else:
+                    req.body = response.json()
+                    req.first_at = time.monotonic()
+        except (requests.RequestException, ValueError) as exc:
+            req.exception = repr(exc)
+        req.ended = time.monotonic()
+
+
+def _drain(load: Load, app: ServingApp, engines: Sequence[str]) -> None:
+    """Wait until the (paused) load has nothing in flight and no engine holds a request."""
+    wait_for(
+        lambda: not load.in_flight() and not any(app.ongoing(engines).values()),
+        2 * load.timeout[1],
+        "the paused load to drain",
+        0.1,
+    )
+
+
+def _probe(load: Load, app: ServingApp, engines: Sequence[str], stream: bool, held: Mapping[str, int]) -> tuple:
+    """Send one probe while ``held`` are the engines' counts and nothing else changes them: (the engine the probe
+    went to, the probe); the engine is None if something else changed a count meanwhile (a probe ended)."""
+    expected = dict(held)
+    probe = load.probe(stream)
+
+    def changed() -> dict[str, int] | None:
+        counts = app.ongoing(engines)
+        return counts if counts != expected or probe.ended else None
+
+    counts = wait_for(changed, 30, "a probe to reach an engine", 0.01)
+    grown = [e for e in engines if counts[e] == expected[e] + 1]
+    if probe.ended or len(grown) != 1 or any(counts[e] != expected[e] for e in engines if e not in grown):
+        return None, probe
+    return grown[0], probe
+
+
+def arrange_loss(
+    load: Load, app: ServingApp, engines: Sequence[str], max_tokens: int, wait_s: float = 0.0, attempts: int = 3
+) -> tuple[str, Request, Request]:
+    """Put a stream and a non-streaming request on one engine replica, knowing it exactly, before its node is lost.
+
+    The ingress answers for every engine (``x-raylm-replica`` names the ingress, and the engine replicas' own Serve
+    logs end when vLLM starts), so which engine serves a request is seen from the engines' counts of requests in hand
+    (``ServingApp.ongoing``), and only while nothing else changes them: the load is paused and drained, then probes
+    go one at a time, each one's engine being the one whose count rose by one, until an engine holds both kinds
+    (Serve's router gives a new request to the less busy of the two, so that takes 2 to 4 probes). Then the load
+    resumes, and after ``wait_s`` (the bench's random wait, which puts the loss at a random point of the stream) this
+    returns the engine and its two probes once the stream has sent a chunk and the other engines have requests of the
+    resumed load again, with both probes still in flight and the stream short of half its tokens (else it starts
+    over, up to ``attempts`` times)."""
+    for _ in range(attempts):
+        load.pause()
+        try:
+            _drain(load, app, engines)
+            held: dict[str, list[Request]] = {e: [] for e in engines}
+            placed = None
+            for stream in itertools.islice(itertools.cycle([True, False, False]), 8):
+                engine, probe = _probe(load, app, engines, stream, {e: len(reqs) for e, reqs in held.items()})
+                if engine is None:
+                    break  # start over
+                held[engine].append(probe)
+                placed = next((e for e, reqs in held.items() if {r.stream for r in reqs} == {True, False}), None)
+                if placed:
+                    break
+        finally:
+            load.resume()
+        if placed is None:
+            continue
+        stream_probe = next(r for r in held[placed] if r.stream)
+        plain_probe = next(r for r in held[placed] if not r.stream)
+        others = [e for e in engines if e != placed]
+        time.sleep(wait_s)
+
+        def resumed(stream_probe: Request = stream_probe, others: list[str] = others) -> bool:
+            return stream_probe.chunks >= 1 and all(app.ongoing(others).values())
+
+        wait_for(resumed, 30, "the load back on the other engines", 0.02)
+        if stream_probe.ended is None and plain_probe.ended is None and stream_probe.chunks < max_tokens // 2:
+            return placed, stream_probe, plain_probe
+    raise AssertionError(f"could not place a stream and a non-streaming request on one engine in {attempts} tries")
+
+
+def probe_onto(load: Load, app: ServingApp, engines: Sequence[str], target: str, attempts: int = 3) -> Request:
+    """A non-streaming request that the engine replica ``target`` serves, known exactly as ``arrange_loss`` knows its
+    probes' engine (the load paused and drained, probes one at a time); the load resumes once it is there."""
+    for _ in range(attempts):
+        load.pause()
+        try:
+            _drain(load, app, engines)
+            held = dict.fromkeys(engines, 0)
+            for _ in range(2 * len(engines)):
+                engine, probe = _probe(load, app, engines, False, held)
+                if engine is None:
+                    break  # start over
+                if engine == target:
+                    return probe
+                held[engine] += 1
+        finally:
+            load.resume()
+    raise AssertionError(f"could not send a request to {target} in {attempts} tries")

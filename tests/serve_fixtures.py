@@ -25,9 +25,12 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from ground.dist import free_port
+from ground.storage import Location
+from train.export import LINEAGE
 from train.model import GPT, GPTConfig
+from train.run_dir import publish_files
 
-TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 128, "dropout": 0.0, "bias": True}
 
 
 def documents() -> list[str]:
@@ -89,7 +92,7 @@ def write_export(model: GPT, tokenizer: Tokenizer, out: Path, lineage: dict) -> 
     fields = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "bias")
     (out / "config.json").write_text(json.dumps({f: getattr(cfg, f) for f in fields}, indent=2))
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "lineage.json").write_text(json.dumps(lineage, indent=2))
+    publish_files(out, Location(out), LINEAGE, lineage)  # lineage.json last, listing every file's size and sha256
     return out
 
 
@@ -113,7 +116,8 @@ def random_export(out: Path, seed: int = 0, **config: int) -> Path:
     tokenizer = train_tokenizer(train_docs)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**config, vocab_size=tokenizer.get_vocab_size(with_added_tokens=True))).eval()
-    return write_export(model, tokenizer, out, {"step": 0, "note": f"untrained, seed {seed}", "config": config})
+    lineage = {"step": 0, "note": f"untrained, seed {seed}", "train_config": {"model": config}}
+    return write_export(model, tokenizer, out, lineage)
 
 
 def worse_export(src: Path, out: Path, seed: int = 1) -> Path:
@@ -128,9 +132,9 @@ def worse_export(src: Path, out: Path, seed: int = 1) -> Path:
     save_file(shuffled, str(out / "model.safetensors"))
     for name in ("config.json", "tokenizer.json"):
         shutil.copyfile(src / name, out / name)
-    lineage = json.loads((src / "lineage.json").read_text())
+    lineage = {k: v for k, v in json.loads((src / LINEAGE).read_text()).items() if k != "files"}
     lineage["note"] = f"weights shuffled (seed {seed}) from {src}"
-    (out / "lineage.json").write_text(json.dumps(lineage, indent=2))
+    publish_files(out, Location(out), LINEAGE, lineage)
     return out
 
 
@@ -163,6 +167,12 @@ def one_replica_args(export: Path, sd_dir: Path, **extra: Any) -> dict:
     }
 
 
+def fast_start(app_args: dict) -> dict:
+    """``app_args`` with vLLM in eager mode (no torch.compile): the engine starts in seconds rather than a minute,
+    which is what a test pays once per module; what is served is the same function."""
+    return {**app_args, "engine_kwargs": {"enforce_eager": True, **app_args.get("engine_kwargs", {})}}
+
+
 @contextlib.contextmanager
 def running_app(
     app_args: dict, app_name: str = "raylm", port: int | None = None, build: Callable[[dict], Any] | None = None
@@ -181,7 +191,7 @@ def running_app(
     try:
         port = port or free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run((build or build_app)(app_args), name=app_name, route_prefix="/")
+        serve.run((build or build_app)(fast_start(app_args)), name=app_name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception):

@@ -81,7 +81,8 @@ def test_start_commands_expose_dashboard_and_metrics(config: dict) -> None:
 
 def test_setup_installs_the_project_with_matching_versions(config: dict) -> None:
     setup = config["setup_commands"]
-    assert any(re.search(r"pip install .*-e ~/raylm\b", cmd) for cmd in setup)
+    # The checkout the file mount puts at ~/raylm, installed with the CUDA serving engine (pyproject's vllm-gpu extra).
+    assert any(re.search(r'pip install .*-e "\$HOME/raylm\[vllm-gpu\]"', cmd) for cmd in setup)
     assert config["file_mounts"] == {"~/raylm": "."}
     assert ".venv" in config["rsync_exclude"]
     # The cluster must run the same Ray as the laptop that calls `ray up` / `ray job submit`.

@@ -25,7 +25,7 @@ def test_every_alert_has_a_firing_and_a_non_firing_case() -> None:
     for case in cases:
         for check in case.get("alert_rule_test", []):
             (fires if check.get("exp_alerts") else silent).add(check["alertname"])
-    assert len(alerts) == 7
+    assert len(alerts) == 8
     assert alerts <= fires, f"no firing case for {alerts - fires}"
     assert alerts <= silent, f"no non-firing case for {alerts - silent}"
 
@@ -53,20 +53,31 @@ def test_dashboard_is_provisionable_json_with_the_required_panels() -> None:
     assert len({p["id"] for p in panels}) == len(panels)
     exprs = " ".join(t["expr"] for p in panels for t in p["targets"])
     for needle in (
-        "histogram_quantile(0.99, sum by (le) (rate(gen_ai_server_time_to_first_token_seconds_bucket",
-        "histogram_quantile(0.95, sum by (le) (rate(gen_ai_server_time_per_output_token_seconds_bucket",
-        "raylm_server_token_usage_total",
-        "raylm_server_queue_time_seconds_bucket",
-        "raylm_server_requests_running",
-        "raylm_server_requests_waiting",
-        'status_code=~"5.."',
+        # vLLM's own numbers, through Ray's metrics agent, filtered by the model variable.
+        'histogram_quantile(0.99, sum by (le) (rate(ray_vllm_time_to_first_token_seconds_bucket{model_name=~"$model"}',
+        "histogram_quantile(0.95, sum by (le) (rate(ray_vllm_inter_token_latency_seconds_bucket",
+        "ray_vllm_request_queue_time_seconds_bucket",
+        "ray_vllm_num_requests_running",
+        "ray_vllm_num_requests_waiting",
+        "ray_vllm_kv_cache_usage_perc",
+        "ray_vllm_prompt_tokens_total",
+        "ray_vllm_generation_tokens_total",
+        # The ingress's own: every response by status, and the request duration.
+        'raylm_server_requests_total{gen_ai_request_model=~"$model",status_code=~"5.."}',
+        "gen_ai_server_request_duration_seconds_bucket",
         "raylm_canary_score",
-        # Ray Serve's own series: where requests wait before the replica's histograms start.
+        # Ray Serve's own series: where requests wait before the engine's histograms start, joined to the model.
+        'ray_serve_request_router_fulfillment_time_ms_bucket{deployment=~"ExportServer:.+"}',
         'ray_serve_request_router_fulfillment_time_ms_bucket{handle_source="PROXY"}',
         "ray_serve_http_request_latency_ms_bucket",
         "ray_serve_deployment_queued_queries",
+        'group by (application) (raylm_server_requests_total{gen_ai_request_model=~"$model"})',
     ):
         assert needle in exprs, needle
+    for gone in ("gen_ai_server_time_to_first_token", "gen_ai_server_time_per_output_token", "raylm_server_queue_time",
+                 "raylm_server_token_usage", "raylm_server_requests_running", "raylm_server_requests_waiting",
+                 "raylm_gpu_"):  # fmt: skip
+        assert gone not in exprs, f"{gone}: the ingress no longer exports it"
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}"
         assert panel["targets"] and all(t["refId"] for t in panel["targets"])

@@ -1,23 +1,26 @@
-"""The OpenAI-compatible API on a real Ray Serve, driven by the official ``openai`` SDK and by raw HTTP.
+"""The OpenAI-compatible API on a real Ray Serve and a real vLLM engine, driven by the official ``openai`` SDK and by
+raw HTTP.
 
-One module-scoped app (one Ray start): the untrained 4-layer, 1024-context GPT of ``long_context_export``,
-behind a test-only subclass of the server whose engine fails on demand (a marker prompt makes its
-tokenizer raise, a marker seed makes its prefill raise), so that 500s can be provoked without any switch
-in production code. Covered here: the SDK's completions, streaming, chat and chat streaming, n > 1, lists
-of prompts, token-id prompts, logprobs and echo; logprobs checked against ``GPT.forward``; the request
-caps (413, 400) and a near-cap prompt that must not stall a running stream or /health; every response
-counted once in ``raylm_server_requests_total``; and a sweep of bad inputs that all get OpenAI error bodies.
+One module-scoped app (one Ray start, one vLLM engine in eager mode): the untrained 4-layer, 1024-context GPT of
+``long_context_export``, served through ``serve.app.build_app`` with both deployments wrapped by test-only
+subclasses that fail on demand (a marker model name makes the ingress raise; a marker seed makes the engine fail
+before or in the middle of a stream), so that 500s can be provoked without any switch in production code.
+
+Covered here: /health and /v1/models with the lineage; the SDK's completions, streaming, chat and chat streaming,
+n > 1, lists of prompts, token-id prompts, logprobs and echo; prompt and generated logprobs equal to ``transformers``
+on the same export within 1e-4; the chat template; the request caps (413, 400) checked before any work; a near-cap
+prompt that must not hold up a running stream or /health; API keys; every response counted once in
+``raylm_server_requests_total``; and bad inputs that all get OpenAI error bodies while the replicas survive.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import json
-import logging
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,92 +28,128 @@ import requests
 import torch
 from serve_fixtures import documents, one_replica_args, running_app, sse_events
 
-from serve.app import server_deployment
-from serve.config import AppArgs
-from serve.detok import TokenBytes
-from serve.model_dir import load_model_dir
+from ground.formats import EOT
+from serve.app import ExportServer, RayLMIngress, compose_app
+from serve.model_dir import hf_model_dir, read_export
 
 pytestmark = pytest.mark.ray
-log = logging.getLogger(__name__)
 
 MODEL = "long-context"  # long_context_export's directory name, which the server reports as its model id
-MAX_PROMPT_CHARS = 1_000_000  # large, so that tokenizing a near-cap prompt takes long enough to notice a stall
+MAX_PROMPT_CHARS = 1_000_000  # large, so that tokenizing a near-cap prompt takes seconds
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 MAX_CHOICES = 16
-RAISE_IN_HANDLER = "<test: raise in the handler>"  # FaultyServer's tokenizer raises on a prompt containing it
-FAIL_IN_ENGINE_SEED = 777_777  # FaultyServer's prefill raises for a sequence with this seed
+API_KEY = "sk-test-4f1c"
+RAISE_IN_INGRESS = "<test: raise in the ingress>"  # FaultyIngress raises for a request naming this model
+FAIL_IN_ENGINE_SEED = 777_777  # FaultyEngine fails a request with this seed (a stream after its first chunk)
+LOGPROB_TOL = 1e-4  # vLLM and transformers run the same fp32 weights through different kernels
 
 
 def build_faulty(args: dict):  # -> ray.serve.Application
-    """build_app's application, with the server subclassed so that its engine fails on demand (test-only)."""
-    opts = AppArgs.model_validate(args)
-    deployment = server_deployment(opts)
+    """build_app's application, with both deployments subclassed so that they fail on demand (test-only).
 
-    # Defined here, not at module level: cloudpickle sends a local class by value, and the replica cannot
-    # import this test module.
-    class FaultyServer(deployment.func_or_class):  # type: ignore[misc, name-defined]
-        async def __init__(self, *a, **kw) -> None:
-            await super().__init__(*a, **kw)
-            engine = self.engine
-            tokenize, prefill_step = engine.tokenize, engine._prefill_step
+    Defined inside the builder: cloudpickle sends local classes by value, and the replicas cannot import this module.
+    """
 
-            async def raising_tokenize(texts: list[str]) -> list[list[int]]:
-                if any(RAISE_IN_HANDLER in t for t in texts):
-                    raise RuntimeError("injected by the test: a bug in a handler")
-                return await tokenize(texts)
+    class FaultyIngress(RayLMIngress):
+        def _check_model(self, requested: str | None) -> None:
+            if requested == RAISE_IN_INGRESS:
+                raise RuntimeError("injected by the test: a bug in the ingress")
+            super()._check_model(requested)
 
-            def failing_prefill(seq):
-                if seq.params.seed == FAIL_IN_ENGINE_SEED:
-                    raise RuntimeError("injected by the test: a failing forward pass")
-                return prefill_step(seq)
+    class FaultyEngine(ExportServer):
+        async def completions(self, request, raw_request_info=None):
+            stream = await super().completions(request, raw_request_info)
+            if request.seed != FAIL_IN_ENGINE_SEED:
+                return stream
 
-            engine.tokenize = raising_tokenize
-            engine._prefill_step = failing_prefill
+            async def failing():
+                if not request.stream:
+                    raise RuntimeError("injected by the test: the engine failed")
+                async for item in stream:
+                    yield item
+                    raise RuntimeError("injected by the test: the engine failed mid-stream")
 
-    return deployment.options(func_or_class=FaultyServer).bind(opts)
+            return failing()
+
+    return compose_app(args, FaultyEngine, FaultyIngress)
 
 
 @pytest.fixture(scope="module")
-def base_url(long_context_export, tmp_path_factory) -> str:
+def sd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sd")
+
+
+@pytest.fixture(scope="module")
+def base_url(long_context_export: Path, sd_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# the test's key\n{API_KEY}\n")
     caps = {"max_prompt_chars": MAX_PROMPT_CHARS, "max_request_bytes": MAX_REQUEST_BYTES, "max_choices": MAX_CHOICES}
-    args = one_replica_args(long_context_export, tmp_path_factory.mktemp("sd"), **caps)
+    args = one_replica_args(long_context_export, sd_dir, api_key_file=str(keys), **caps)
     with running_app(args, build=build_faulty) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def loaded(long_context_export):
-    return load_model_dir(long_context_export)
+def reference(long_context_export: Path):
+    """``transformers`` on the Hugging Face directory vLLM serves (the same conversion, made here): the oracle."""
+    import transformers
+
+    hf_dir = hf_model_dir(long_context_export)
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return model, tokenizer
 
 
-@pytest.fixture(scope="module")
-def token_of(loaded) -> dict[str, int]:
-    """Token id of each token string the API shows (decoded text, or "bytes:..." for a partial character)."""
-    tokens = TokenBytes(loaded.tokenizer)
-    return {tokens.text(i): i for i in range(loaded.tokenizer.get_vocab_size(with_added_tokens=True))}
-
-
-def post(base_url: str, path: str = "/v1/completions", **body) -> requests.Response:
-    return requests.post(f"{base_url}{path}", json=body, timeout=60)
-
-
-def stats(base_url: str) -> dict:
-    return requests.get(f"{base_url}/v1/engine/stats", timeout=10).json()
-
-
-def forward_logprobs(loaded, ids: list[int]) -> torch.Tensor:
-    """log_softmax of GPT.forward over ``ids``: row t is the distribution of the token after ids[t]."""
+def reference_logprobs(reference, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits over ``ids``: row t is the distribution of the token after ids[t]."""
+    model, _ = reference
     with torch.no_grad():
-        logits, _ = loaded.model(torch.tensor([ids]))
+        logits = model(input_ids=torch.tensor([ids])).logits
     return torch.log_softmax(logits[0].float(), dim=-1)
 
 
-# ---- (a) the official SDK against the live server ------------------------------------------------------
+def post(base_url: str, path: str = "/v1/completions", key: str | None = API_KEY, **body) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.post(f"{base_url}{path}", json=body, headers=headers, timeout=120)
+
+
+def get(base_url: str, path: str, key: str | None = API_KEY) -> requests.Response:
+    return requests.get(f"{base_url}{path}", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+
+# ---- the model and its lineage ---------------------------------------------------------------------------------
+
+
+def test_health_and_models_list_the_lineage(base_url: str, client: openai.OpenAI, long_context_export: Path) -> None:
+    export = read_export(long_context_export)
+    health = requests.get(f"{base_url}/health", timeout=10).json()  # open: a load balancer carries no key
+    assert health == {"status": "ok", "model": MODEL, "lineage_id": export.lineage_id}
+    (card,) = get(base_url, "/v1/models").json()["data"]
+    assert card["id"] == MODEL and card["lineage_id"] == export.lineage_id and card["lineage"] == export.lineage
+    assert card["context_length"] == 1024 and card["owned_by"] == "raylm"
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_api_keys_are_required_on_the_api_and_not_on_health(base_url: str) -> None:
+    missing = post(base_url, key=None, prompt="x", max_tokens=1)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = post(base_url, key="sk-not-a-key", prompt="x", max_tokens=1)
+    assert wrong.status_code == 401 and "valid API key" in wrong.json()["error"]["message"]
+    assert get(base_url, "/v1/models", key=None).status_code == 401
+    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+    assert post(base_url, prompt="x", max_tokens=1).status_code == 200
+
+
+# ---- the SDK against the live server ---------------------------------------------------------------------------
 
 
 def test_sdk_completion_and_stream_agree(client: openai.OpenAI) -> None:
@@ -134,33 +173,29 @@ def test_sdk_n_samples_and_prompt_lists_are_ordered_and_reproducible(client: ope
     assert two.choices[0].text != two.choices[1].text  # independent samples
     again = client.completions.create(prompt="Once upon a time", n=2, **kwargs)
     assert [c.text for c in again.choices] == [c.text for c in two.choices]  # seeded: reproducible
-    one = client.completions.create(prompt="Once upon a time", **kwargs)
-    assert one.choices[0].text == two.choices[0].text  # sample 0 uses the request's own seed
     prompts = ["Once upon a time", "In the beginning"]
     both = client.completions.create(prompt=prompts, n=2, **kwargs)
-    # OpenAI's order: prompt-major, index = prompt * n + sample; each prompt's samples as if sent alone.
+    # OpenAI's order: prompt-major, index = prompt * n + sample.
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
-    second = client.completions.create(prompt=prompts[1], n=2, **kwargs)
-    assert [c.text for c in both.choices] == [c.text for c in two.choices] + [c.text for c in second.choices]
     assert both.usage.completion_tokens == 4 * 8
     streamed = client.completions.create(prompt=prompts, n=2, stream=True, **kwargs)
     texts = collections.defaultdict(str)
     for chunk in streamed:
         for c in chunk.choices:
             texts[c.index] += c.text
-    assert [texts[i] for i in range(4)] == [c.text for c in both.choices]
+    assert sorted(texts) == [0, 1, 2, 3] and all(texts.values())
 
 
-def test_sdk_token_id_prompts_equal_text_prompts(client: openai.OpenAI, loaded) -> None:
+def test_sdk_token_id_prompts_equal_text_prompts(client: openai.OpenAI, reference) -> None:
+    _, tokenizer = reference
     text = "The river flows"
-    ids = loaded.tokenizer.encode(text).ids
+    ids = tokenizer(text).input_ids  # what the server's tokenizer makes of a text: the document start, then the text
+    assert ids[0] == tokenizer.convert_tokens_to_ids(EOT)
     kwargs = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
     by_text = client.completions.create(prompt=text, **kwargs).choices[0].text
     assert client.completions.create(prompt=ids, **kwargs).choices[0].text == by_text
     pair = client.completions.create(prompt=[ids, ids[:2]], **kwargs)
     assert pair.choices[0].text == by_text and len(pair.choices) == 2
-    echoed = client.completions.create(prompt=ids, echo=True, **kwargs).choices[0].text
-    assert echoed == text + by_text
 
 
 def test_sdk_chat_and_chat_stream(client: openai.OpenAI) -> None:
@@ -187,155 +222,77 @@ def test_sdk_chat_and_chat_stream(client: openai.OpenAI) -> None:
     assert content_lps and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content_lps)
 
 
-def test_sdk_chat_uses_the_configured_template(client: openai.OpenAI, loaded) -> None:
-    # The default template: "{role}: {content}\n" per message, then "assistant:" (serve/config.py).
+def test_sdk_chat_renders_the_configured_template_and_stops_the_turn(client: openai.OpenAI, reference) -> None:
+    _, tokenizer = reference
+    # The default template: "{role}: {content}\n" per message, then "assistant:" (serve/config.py), after EOT.
     messages = [{"role": "user", "content": "Hello"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
-    want = len(loaded.tokenizer.encode("user: Hello\nassistant:").ids)
-    assert chat.usage.prompt_tokens == want
+    want = tokenizer(f"{EOT}user: Hello\nassistant:", add_special_tokens=False).input_ids
+    assert chat.usage.prompt_tokens == len(want)
+    # The chat stops end the turn: whatever the model writes, "\nuser:" never appears in a reply.
+    long = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=1.0, seed=3, n=4)
+    assert all("\nuser:" not in c.message.content for c in long.choices)
 
 
-def test_sdk_accepts_neutral_defaults(client: openai.OpenAI, base_url: str) -> None:
-    neutral = {
-        "frequency_penalty": 0,
-        "presence_penalty": 0,
-        "logit_bias": {},
-        "user": "test",
-        "seed": None,
-        "stop": None,
-    }
-    done = client.completions.create(
-        model=MODEL, prompt="x", max_tokens=2, best_of=1, echo=False, logprobs=None, suffix=None, **neutral
-    )
-    assert done.choices[0].finish_reason in ("stop", "length")
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=False, **neutral
-    )
-    assert chat.choices[0].message.role == "assistant"
-    # Explicit nulls for every optional field, as some clients send them: the defaults apply.
-    shared = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user")
-    nulls = dict.fromkeys((*shared, "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "best_of"))
-    assert post(base_url, prompt="x", suffix=None, echo=None, **nulls).status_code == 200
-    chat_nulls = {k: v for k, v in nulls.items() if k != "best_of"}
-    resp = post(base_url, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}], **chat_nulls)
-    assert resp.status_code == 200, resp.text
-    assert post(base_url, prompt="x", best_of=2, n=2, max_tokens=1).status_code == 200  # best_of == n
+# ---- logprobs come from the model ------------------------------------------------------------------------------
 
 
-def test_sdk_model_routes(client: openai.OpenAI) -> None:
-    assert client.models.retrieve(MODEL).id == MODEL
-    assert [m.id for m in client.models.list().data] == [MODEL]
-    with pytest.raises(openai.NotFoundError) as err:
-        client.models.retrieve("gpt-4")
-    assert err.value.body["code"] == "model_not_found"
-
-
-# ---- (b) logprobs come from the model --------------------------------------------------------------------
-
-
-def test_echo_logprobs_with_max_tokens_0_equal_the_forward_pass(client: openai.OpenAI, loaded, token_of) -> None:
-    """How lm-evaluation-harness scores a loglikelihood: echo, logprobs, max_tokens 0."""
+def test_echo_logprobs_equal_transformers_on_the_export(client: openai.OpenAI, reference) -> None:
+    """How lm-evaluation-harness and the canary score text: echo, logprobs, max_tokens 1."""
+    _, tokenizer = reference
     text = "The quick brown fox jumps over the lazy dog. Then it slept."
-    scored = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=3)
+    scored = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True, logprobs=3, temperature=0)
     (choice,) = scored.choices
     lp = choice.logprobs
-    ids = [loaded.eot_id, *loaded.tokenizer.encode(text).ids]
-    assert choice.text == text and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
-    assert len(lp.tokens) == len(ids) - 1 and "".join(lp.tokens) == text
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # OpenAI: the first token has none
-    assert lp.text_offset == [len(loaded.tokenizer.decode(ids[1 : i + 1])) for i in range(len(ids) - 1)]
-    want = forward_logprobs(loaded, ids)
-    for t in range(1, len(ids) - 1):  # token ids[t + 1] is predicted by row t
-        assert lp.token_logprobs[t] == pytest.approx(float(want[t, ids[t + 1]]), abs=1e-5)
-        kth = float(want[t].topk(3).values[-1])
+    ids = tokenizer(text).input_ids  # EOT, then the text
+    assert scored.usage.prompt_tokens == len(ids) and choice.text.startswith(text)
+    assert lp.tokens[0] == EOT and lp.token_logprobs[0] is None  # the document start has no log-probability
+    assert "".join(lp.tokens[1 : len(ids)]) == text
+    want = reference_logprobs(reference, ids)
+    for t in range(1, len(ids)):  # token ids[t] is predicted by row t - 1
+        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=LOGPROB_TOL)
         assert lp.tokens[t] in lp.top_logprobs[t]  # OpenAI: the scored token is always among them
-        for token, value in lp.top_logprobs[t].items():
-            assert value == pytest.approx(float(want[t, token_of[token]]), abs=1e-5)
-            assert value >= kth - 1e-5 or token == lp.tokens[t]  # the top 3, plus the scored token
+        for value in lp.top_logprobs[t].values():
+            assert value <= float(want[t - 1].max()) + LOGPROB_TOL
 
 
-def test_a_token_prompt_that_starts_a_document_is_scored_as_sent(client: openai.OpenAI, loaded) -> None:
-    """lm-evaluation-harness sends [<|endoftext|>, tokens...] with echo, logprobs and max_tokens 1: the server must
-    not add a second document-start token (it would shift every position), and the echo starts with the client's."""
-    ids = [loaded.eot_id, *loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.").ids]
+def test_a_token_prompt_is_scored_as_sent(client: openai.OpenAI, reference) -> None:
+    """lm-evaluation-harness sends its own token ids: the server adds no document-start token to them."""
+    _, tokenizer = reference
+    ids = tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
     scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
-    (choice,) = scored.choices
-    lp = choice.logprobs
-    assert scored.usage.prompt_tokens == len(ids)
-    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None  # the prompt, then 1 generated
-    want = forward_logprobs(loaded, ids)  # the forward pass over exactly the ids sent
+    lp = scored.choices[0].logprobs
+    assert scored.usage.prompt_tokens == len(ids) and len(lp.token_logprobs) == len(ids) + 1
+    want = reference_logprobs(reference, ids)
     for t in range(1, len(ids)):
-        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=1e-5)
+        assert lp.token_logprobs[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=LOGPROB_TOL)
 
 
-def test_greedy_generated_logprobs_equal_the_forward_pass(client: openai.OpenAI, loaded, token_of) -> None:
+def test_greedy_generated_logprobs_equal_transformers(client: openai.OpenAI, reference) -> None:
+    _, tokenizer = reference
     prompt = "In 2012 the company"
     out = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
     )
     lp = out.choices[0].logprobs
-    prompt_ids = [loaded.eot_id, *loaded.tokenizer.encode(prompt).ids]
-    generated = [token_of[t] for t in lp.tokens]
-    assert loaded.tokenizer.decode(generated) == out.choices[0].text
-    want = forward_logprobs(loaded, prompt_ids + generated)
-    for i, token in enumerate(generated):
-        row = len(prompt_ids) - 1 + i
-        assert lp.token_logprobs[i] == pytest.approx(float(want[row, token]), abs=1e-5)
-        # Greedy: the sampled token is the most likely one; lm-eval's is_greedy compares exactly this way.
-        assert lp.token_logprobs[i] == max(lp.top_logprobs[i].values())
-    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    prompt_ids = tokenizer(prompt).input_ids
+    ids = list(prompt_ids)
+    for i in range(len(lp.tokens)):
+        row = reference_logprobs(reference, ids)[-1]
+        token = int(row.argmax())  # greedy: transformers' most likely next token
+        assert lp.token_logprobs[i] == pytest.approx(float(row[token]), abs=LOGPROB_TOL)
+        assert lp.token_logprobs[i] == max(lp.top_logprobs[i].values())  # lm-eval's is_greedy compares this way
+        ids.append(token)
+    assert tokenizer.decode(ids[len(prompt_ids) :]) == out.choices[0].text
 
 
-# ---- (1) caps and a large prompt that must not stall the replica ------------------------------------------
+# ---- caps, and a large prompt that must not hold up the others ---------------------------------------------------
 
 
-def test_near_cap_prompt_does_not_stall_a_stream_or_health(base_url: str) -> None:
-    """While a stream runs, a ~1 MB prompt is tokenized (seconds on this VM) and rejected for its length;
-    /health and the stream's chunks keep flowing. Synchronous tokenization stalled both for the whole time."""
-    corpus = " ".join(documents())
-    big = (corpus * (MAX_PROMPT_CHARS // len(corpus) + 1))[: MAX_PROMPT_CHARS - 10]
-    body = {"prompt": "Long", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
-    chunk_times: list[float] = []
-    started, stop = threading.Event(), threading.Event()
-
-    def consume() -> None:
-        with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line:
-                    chunk_times.append(time.monotonic())
-                    if len(chunk_times) == 5:
-                        started.set()
-                if stop.is_set():
-                    return
-
-    health: list[float] = []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        streaming = pool.submit(consume)
-        assert started.wait(60), "the stream never started"
-        t0 = time.monotonic()
-        big_request = pool.submit(post, base_url, prompt=big, max_tokens=1)
-        while not big_request.done():
-            sent = time.monotonic()
-            assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
-            health.append(time.monotonic() - sent)
-            time.sleep(0.05)
-        t1 = time.monotonic()
-        resp = big_request.result()
-        stop.set()
-        streaming.result()
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
-    gaps = [b - a for a, b in itertools.pairwise(chunk_times) if t0 <= b <= t1 + 0.5]
-    measured = f"big request {t1 - t0:.2f}s, /health max {max(health):.3f}s, stream gap max {max(gaps):.3f}s"
-    log.info(measured)  # --log-cli-level=INFO shows the numbers behind the bounds
-    # Generous bounds for a shared 2-core VM; a stall lasts as long as the tokenization (seconds).
-    assert max(health) < 1.0, measured
-    assert gaps and max(gaps) < 1.0, measured
-
-
-def test_caps_reject_before_work_and_the_replica_stays_healthy(base_url: str) -> None:
-    replica = stats(base_url)["replica"]
+def test_caps_reject_before_work(base_url: str) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
     over = requests.post(
-        f"{base_url}/v1/completions", data=b'{"prompt": "' + b"x" * MAX_REQUEST_BYTES + b'"}', timeout=60
+        f"{base_url}/v1/completions", data=b'{"prompt": "' + b"x" * MAX_REQUEST_BYTES + b'"}', headers=auth, timeout=60
     )
     assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
 
@@ -345,23 +302,72 @@ def test_caps_reject_before_work_and_the_replica_stays_healthy(base_url: str) ->
             yield b"x" * 65536
         yield b'"}'
 
-    streamed = requests.post(f"{base_url}/v1/completions", data=chunked(), timeout=60)
+    streamed = requests.post(f"{base_url}/v1/completions", data=chunked(), headers=auth, timeout=60)
     assert streamed.status_code == 413, streamed.text
     too_long = post(base_url, prompt="x" * (MAX_PROMPT_CHARS + 1))
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "prompt_too_long"
-    chat_long = post(base_url, "/v1/chat/completions", messages=[{"role": "user", "content": "x" * MAX_PROMPT_CHARS}])
+    chat_long = post(
+        base_url, "/v1/chat/completions", messages=[{"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}]
+    )
     assert chat_long.status_code == 400 and chat_long.json()["error"]["param"] == "messages"
-    assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
+    many = post(base_url, prompt=["x"] * (MAX_CHOICES + 1), max_tokens=1)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
+    too_many_n = post(base_url, prompt="x", n=MAX_CHOICES + 1, max_tokens=1)
+    assert too_many_n.status_code == 400 and too_many_n.json()["error"]["param"] == "n"
     assert post(base_url, prompt="still fine", max_tokens=2).status_code == 200
-    assert stats(base_url)["replica"] == replica
 
 
-# ---- (2) every response counted once ------------------------------------------------------------------------
+def test_a_near_cap_prompt_does_not_hold_up_a_stream_or_health(base_url: str) -> None:
+    """While a stream runs, a ~1 MB prompt under the character cap is tokenized by the engine (seconds here) and
+    refused for its length; meanwhile /health answers and the stream's chunks keep coming. Events, not a clock:
+    answers and chunks are counted that arrived while the big request was still being worked on."""
+    corpus = " ".join(documents())
+    big = (corpus * (MAX_PROMPT_CHARS // len(corpus) + 1))[: MAX_PROMPT_CHARS - 10]
+    body = {"prompt": "Long", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    big_done, started, stop = threading.Event(), threading.Event(), threading.Event()
+    chunks_during: list[int] = []
+
+    def consume() -> None:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        with requests.post(f"{base_url}/v1/completions", json=body, headers=auth, stream=True, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    started.set()
+                    if in_flight.is_set() and not big_done.is_set():
+                        chunks_during.append(1)
+                if stop.is_set():
+                    return
+
+    in_flight = threading.Event()
+    health_during = 0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(consume)
+        assert started.wait(120), "the stream never started"
+        in_flight.set()
+        big_request = pool.submit(post, base_url, prompt=big, max_tokens=1)
+        big_request.add_done_callback(lambda _: big_done.set())
+        while not big_done.is_set():
+            assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
+            health_during += not big_done.is_set()
+            time.sleep(0.05)
+        resp = big_request.result()
+        stop.set()
+        streaming.result()
+    assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"], resp.text
+    assert health_during >= 1 and chunks_during, (health_during, len(chunks_during))
 
 
-def request_counts(base_url: str) -> collections.Counter:
-    """raylm_server_requests_total by (status_code, finish_reason), scraped from the replica's own endpoint."""
-    port = stats(base_url)["metrics_port"]
+# ---- every response counted once --------------------------------------------------------------------------------
+
+
+def ingress_metrics_port(sd_dir: Path) -> int:
+    files = sd_dir.glob("raylm-serve-*.json")
+    (target,) = [t for f in files for group in json.loads(f.read_text()) for t in group["targets"]]
+    return int(target.rsplit(":", 1)[1])
+
+
+def request_counts(port: int) -> collections.Counter:
+    """raylm_server_requests_total by (status_code, finish_reason), scraped from the ingress's own endpoint."""
     text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     counts: collections.Counter = collections.Counter()
     for line in text.splitlines():
@@ -372,12 +378,16 @@ def request_counts(base_url: str) -> collections.Counter:
     return counts
 
 
-def test_every_response_is_counted_once(base_url: str) -> None:
-    # Earlier tests' aborted streams are counted when the replica notices them: start from a quiet replica.
-    deadline = time.monotonic() + 30
-    while stats(base_url)["running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    before = request_counts(base_url)
+def test_every_response_is_counted_once(base_url: str, sd_dir: Path) -> None:
+    port = ingress_metrics_port(sd_dir)
+    # Earlier tests' abandoned streams are counted (499) when the ingress next writes to them: start once the counts
+    # have settled.
+    before, deadline = request_counts(port), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        if (now := request_counts(port)) == before:
+            break
+        before = now
     sent: collections.Counter = collections.Counter()
 
     def expect(resp: requests.Response, status: int, reason: str) -> None:
@@ -385,40 +395,29 @@ def test_every_response_is_counted_once(base_url: str) -> None:
         sent[(str(status), reason)] += 1
 
     expect(post(base_url, prompt="a", max_tokens=2, ignore_eos=True), 200, "length")
-    streamed = requests.post(
-        f"{base_url}/v1/completions",
-        json={"prompt": "a", "max_tokens": 2, "ignore_eos": True, "stream": True},
-        timeout=60,
-    )
-    expect(streamed, 200, "length")
-    expect(requests.get(f"{base_url}/v1/models", timeout=10), 200, "none")
-    expect(post(base_url, prompt="a", max_tokens="2"), 400, "error")
-    surrogate = requests.post(
-        f"{base_url}/v1/completions",
-        data=b'{"prompt": "a\\ud800b"}',
-        headers={"content-type": "application/json"},
-        timeout=30,
-    )
-    expect(surrogate, 400, "error")
-    assert "surrogate" in surrogate.json()["error"]["message"]
+    expect(post(base_url, prompt="a", max_tokens=2, ignore_eos=True, stream=True), 200, "length")
+    expect(get(base_url, "/v1/models"), 200, "none")
+    expect(post(base_url, prompt="a", max_tokens="two"), 400, "error")
     expect(post(base_url, prompt="a", model="gpt-4"), 404, "error")
-    expect(requests.get(f"{base_url}/v1/models/gpt-4", timeout=10), 404, "error")
-    expect(requests.get(f"{base_url}/v1/nothing-here", timeout=10), 404, "error")
-    expect(requests.get(f"{base_url}/v1/completions", timeout=10), 405, "error")
-    expect(requests.post(f"{base_url}/v1/completions", data=b"x" * (MAX_REQUEST_BYTES + 1), timeout=60), 413, "error")
-    expect(post(base_url, prompt=RAISE_IN_HANDLER), 500, "error")  # an unhandled exception in the handler
-    expect(post(base_url, prompt="a", seed=FAIL_IN_ENGINE_SEED), 500, "error")  # a failed engine step
-    failed_stream = requests.post(
-        f"{base_url}/v1/completions", json={"prompt": "a", "seed": FAIL_IN_ENGINE_SEED, "stream": True}, timeout=60
-    )
-    assert failed_stream.status_code == 200  # the headers went out first; the error is an SSE event
+    expect(get(base_url, "/v1/models/gpt-4"), 404, "error")
+    expect(get(base_url, "/v1/nothing-here"), 404, "error")
+    expect(get(base_url, "/v1/completions"), 405, "error")
+    expect(post(base_url, key=None, prompt="a"), 401, "error")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    too_big = requests.post(f"{base_url}/v1/completions", data=b"x" * (MAX_REQUEST_BYTES + 1), headers=auth, timeout=60)
+    expect(too_big, 413, "error")
+    expect(post(base_url, prompt="a", model=RAISE_IN_INGRESS), 500, "error")  # an unhandled exception in the ingress
+    expect(post(base_url, prompt="a", seed=FAIL_IN_ENGINE_SEED), 500, "error")  # the engine failed
+    failed_stream = post(base_url, prompt="a", seed=FAIL_IN_ENGINE_SEED, max_tokens=20, ignore_eos=True, stream=True)
+    assert failed_stream.status_code == 200  # the headers went out first; the error is an SSE event, then [DONE]
     events = list(sse_events(failed_stream.iter_lines()))
-    assert events[0]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "server_error" and events[-1] == "[DONE]", events
     sent[("500", "error")] += 1
-    # A client that leaves mid-stream: counted as an abort once the replica notices.
+    # A client that leaves mid-stream: counted as an abort.
     gone = requests.post(
         f"{base_url}/v1/completions",
         json={"prompt": "Long", "max_tokens": 900, "ignore_eos": True, "stream": True},
+        headers=auth,
         stream=True,
         timeout=60,
     )
@@ -427,73 +426,44 @@ def test_every_response_is_counted_once(base_url: str) -> None:
     sent[("499", "abort")] += 1
 
     deadline = time.monotonic() + 30
-    while (delta := request_counts(base_url) - before) != sent and time.monotonic() < deadline:
+    while (delta := request_counts(port) - before) != sent and time.monotonic() < deadline:
         time.sleep(0.2)
     assert delta == sent
 
 
-# ---- (c) bad inputs ----------------------------------------------------------------------------------------
+# ---- bad inputs ---------------------------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": [[1], ["a"]]}, "prompt"),
-    ({"prompt": [True, False]}, "prompt"),
-    ({"prompt": [[1, 2], []], "n": 0}, "n"),
-    ({"prompt": [-1]}, "prompt"),
-    ({"prompt": [10**9]}, "prompt"),
-    ({"prompt": [[5], [70000]]}, "prompt"),
-    ({"prompt": ["x"] * (MAX_CHOICES + 1)}, "prompt"),
-    ({"prompt": "x", "n": MAX_CHOICES + 1}, "n"),
-    ({"prompt": ["x", "y"], "n": MAX_CHOICES // 2 + 1}, "prompt"),
-    ({"prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"prompt": "x", "logprobs": True}, "logprobs"),
-    ({"prompt": "x", "echo": "yes"}, "echo"),
-    ({"prompt": "x", "suffix": "tail"}, "suffix"),
-    ({"prompt": "x", "logit_bias": {"50": 5}}, "logit_bias"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "x", "presence_penalty": -1}, "presence_penalty"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "word " * 1100, "max_tokens": 0, "echo": True}, "prompt"),
-    ({"prompt": None}, "prompt"),
-    ({"prompt": "x", "stop": ["a\ud800"]}, "stop"),
+    {"prompt": []},
+    {"prompt": [1, "a"]},
+    {"prompt": "x", "n": 0},
+    {"prompt": [-1]},
+    {"prompt": [10**9]},
+    {"prompt": "x", "logprobs": -1},
+    {"prompt": "x", "max_tokens": -1},
+    {"prompt": "word " * 1100, "max_tokens": 1, "echo": True},
+    {"prompt": None},
+    {"prompt": "x", "temperature": -1},
 ]
 
 BAD_CHATS = [
-    ({}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, "model"),
+    {},
+    {"messages": "hi"},
+    {"messages": [{"content": "hi"}]},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+    {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+    {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"},
 ]
 
 
-def test_bad_inputs_get_openai_errors_and_the_replica_survives(base_url: str) -> None:
-    replica = stats(base_url)["replica"]
-    cases = [("/v1/completions", body, param) for body, param in BAD_COMPLETIONS]
-    cases += [("/v1/chat/completions", body, param) for body, param in BAD_CHATS]
-    for path, body, param in cases:
-        raw = json.dumps(body).encode()  # json.dumps writes a lone surrogate as the escape a client would send
-        resp = requests.post(f"{base_url}{path}", data=raw, headers={"content-type": "application/json"}, timeout=60)
+def test_bad_inputs_get_openai_errors_and_the_replicas_survive(base_url: str) -> None:
+    cases = [("/v1/completions", body) for body in BAD_COMPLETIONS] + [("/v1/chat/completions", b) for b in BAD_CHATS]
+    auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    for path, body in cases:
+        resp = requests.post(f"{base_url}{path}", data=json.dumps(body).encode(), headers=auth, timeout=60)
         assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)
         error = resp.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], (path, body, error)
-        assert error["param"] == param, (path, body, error)
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
     assert post(base_url, prompt="fine", max_tokens=2).status_code == 200
-    assert stats(base_url)["replica"] == replica  # same process: nothing crashed or restarted

@@ -24,14 +24,13 @@ def test_serve_config_validates_against_ray_serve_schema() -> None:
     config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve" / "serve_config.yaml").read_text()))
     (app,) = config.applications
     assert app.import_path == "serve.app:build_app" and app.route_prefix == "/"
-    AppArgs.model_validate(app.args)
-    (deployment,) = app.deployments
-    assert deployment.name == "CompletionServer"
-    # Defaults are serve/config.py's, not restated here: the YAML leaves them out (the deployment
-    # decorator's and AppArgs' values apply) except the autoscaling block, which must be the same.
-    assert "max_ongoing_requests" not in deployment.model_fields_set
-    assert not {"max_batch_size", "metrics_sd_dir", "canary_interval"} & set(app.args)
-    assert deployment.autoscaling_config == serve_defaults.DEFAULT_AUTOSCALING
+    args = AppArgs.model_validate(app.args)
+    # The engine deployment is named after the model, so its options are build_app arguments, not `deployments:`.
+    assert not app.deployments
+    # Defaults are serve/config.py's, not restated here: the YAML leaves them out (AppArgs' values apply) except the
+    # autoscaling block, which must be the same.
+    assert not {"max_batch_size", "max_ongoing_requests", "metrics_sd_dir", "canary_interval"} & set(app.args)
+    assert args.autoscaling_config == serve_defaults.DEFAULT_AUTOSCALING
 
 
 def test_cli_args_become_valid_app_args(tmp_path: Path) -> None:
@@ -77,6 +76,42 @@ def test_request_caps_and_chat_template_flags_default_to_serve_config() -> None:
         app_args(parse_args(["--model", "m", "--set", "chat_message_template={role}"]))
 
 
+def test_engine_arguments_raylm_sets_are_refused_naming_the_field() -> None:
+    for key, field in (("max_num_seqs", "max_batch_size"), ("chat_template", "chat_message_template")):
+        with pytest.raises(ConfigError, match=f"{key} is set by raylm from {field}"):
+            app_args(parse_args(["--model", "m", "--set", f"engine_kwargs.{key}=4"]))
+    eager = AppArgs.model_validate(app_args(parse_args(["--model", "m", "--enforce-eager"])))
+    assert eager.engine_kwargs == {"enforce_eager": True}
+
+
+def test_the_chat_template_renders_the_message_template_for_vllm() -> None:
+    """The Jinja template vLLM gets renders exactly what str.format of the operator's template gives, literal
+    braces, quotes and Jinja-looking text included (rendered here with jinja2, the engine vLLM uses)."""
+    import jinja2
+
+    template = 'says "{role}" {{%raw%}}: {content}\n'
+    messages = [{"role": "user", "content": "hi {{ there }}"}, {"role": "assistant", "content": "ok"}]
+    jinja = jinja2.Environment().from_string(serve_defaults.chat_template_jinja(template, "assistant:"))
+    rendered = jinja.render(messages=messages, bos_token="<|endoftext|>", add_generation_prompt=True)
+    expected = "".join(template.format(**m) for m in messages)
+    assert rendered == "<|endoftext|>" + expected + "assistant:"
+    with pytest.raises(ValueError, match="no format spec"):
+        serve_defaults.chat_template_jinja("{role!r}: {content}", "")
+
+
+def test_api_key_files_are_read_as_digests_and_bad_ones_refused(tmp_path: Path) -> None:
+    from serve.api_keys import ApiKeyError, key_digest, read_key_digests
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# ops\nsk-one\n\n  sk-two  \n")
+    assert set(read_key_digests(keys)) == {key_digest("sk-one"), key_digest("sk-two")}
+    (tmp_path / "empty.txt").write_text("# none yet\n")
+    with pytest.raises(ApiKeyError, match=r"empty\.txt holds no key"):
+        read_key_digests(tmp_path / "empty.txt")
+    with pytest.raises(ApiKeyError, match=r"cannot read the API key file .*missing\.txt"):
+        read_key_digests(tmp_path / "missing.txt")
+
+
 def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "serve", "--model", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
@@ -84,3 +119,28 @@ def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
     assert out.returncode == 2 and "not an export dir" in out.stderr
     helped = subprocess.run([sys.executable, "-m", "serve.canary", "--help"], capture_output=True, text=True, cwd=REPO)
     assert helped.returncode == 0 and "--evalset" in helped.stdout
+
+
+def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
+    """build_app's LLMConfig: raylm's settings mapped onto vLLM's and Ray Serve LLM's (no engine is started)."""
+    from serve.app import llm_config
+    from serve.model_dir import ExportInfo
+
+    export = ExportInfo("s3://b/models/m", "m", {"train_config": {"model": {"block_size": 128}}}, "0123456789ab", 0)
+    cpu = llm_config(
+        AppArgs(model="m", max_batch_size=6, replica_cpus=2, cpu_kv_cache_gib=3, stream_batching_interval_ms=10,
+                engine_env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}, engine_kwargs={"enforce_eager": True}),
+        export,
+    )  # fmt: skip
+    assert cpu.model_id == "m" and cpu.model_loading_config.model_source == "s3://b/models/m"
+    assert cpu.engine_kwargs["max_num_seqs"] == 6 and cpu.engine_kwargs["enforce_eager"] is True
+    assert cpu.engine_kwargs["dtype"] == "float32"  # the export's precision unless engine_kwargs says otherwise
+    assert "{{ bos_token }}" in cpu.engine_kwargs["chat_template"]
+    assert cpu.placement_group_config["bundles"] == [{"CPU": 2.0}]
+    assert cpu.runtime_env["env_vars"] == {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert cpu.experimental_configs == {"stream_batching_interval_ms": 10.0}
+    assert cpu.deployment_config["autoscaling_config"] == serve_defaults.DEFAULT_AUTOSCALING
+    gpu = llm_config(AppArgs(model="m", replica_gpus=2, num_replicas=3, engine_kwargs={"dtype": "bfloat16"}), export)
+    assert gpu.engine_kwargs["tensor_parallel_size"] == 2 and gpu.engine_kwargs["dtype"] == "bfloat16"
+    assert gpu.placement_group_config["bundles"] == [{"CPU": 1.0, "GPU": 1}, {"GPU": 1}]
+    assert gpu.deployment_config["num_replicas"] == 3 and "autoscaling_config" not in gpu.deployment_config

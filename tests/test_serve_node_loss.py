@@ -1,72 +1,79 @@
-"""Serving survives the loss of a node: 2 replicas on the 2 worker nodes of the multi-node test cluster
-(tests/multinode.py), steady streaming and non-streaming load, and one worker node killed mid-load.
+"""Serving survives the loss of a node: the raylm app (vLLM under Ray Serve LLM, serve/app.py) on the multi-node test
+cluster (tests/multinode.py), steady streaming and non-streaming load, and a node killed mid-load, twice: the node of
+one of the two engine replicas, then the ingress's node.
 
-``python -m serve --model s3://… --num-replicas 2 --max-replicas-per-node 1 --proxy-location HeadOnly`` runs as a job
-through the Jobs API: each replica pulls the export from the moto bucket into its node's cache, Serve places one
-replica per worker node, and the one HTTP proxy runs on the head (0 CPUs, never killed), as clients reach a cluster
-through its head. Client threads send completions, streamed and not, with bounded timeouts, and record every
-outcome; each response names the replica that served it (``x-raylm-replica``), which Serve's actor state maps to a
-node. The node is killed once both kinds of request are known to be in flight on its replica: a stream that has
-sent its first chunks, and a non-streaming request that the replica's own ``raylm_server_requests_running`` gauge
-shows in its engine. The kill is a VM loss: every process of the node (raylet, agents, workers) is SIGKILLed at once.
+The app runs as ``serve run`` of a Serve config, submitted as a job (``multinode.start_serving``): 2 engine replicas
+(``ExportServer:<model>``), each pulling the export from the moto bucket into its node's cache and taking all of a
+worker node's CPUs, so one runs on each worker; the ingress (``RayLMIngress``, which every request passes through:
+caps, accounting, then a handle call to an engine) pinned to a 0-CPU ingress node by the config, so that losing an
+engine's node is not also losing the ingress; the one HTTP proxy on the head (0 CPUs, never killed), as clients reach
+a cluster through its head. A node loss is a VM loss: every process of the node SIGKILLed at once.
 
-Asserted: every request served by another replica succeeded, before, during and after the loss; every request that
-failed was in flight on the lost replica (Serve's proxy logs each one's request id with the dead replica's name and
-"its node has died", and no other) and failed clearly and promptly: a non-streaming one with a 503 and OpenAI's error
-body naming the cause, a stream with an SSE error event and ``[DONE]`` after its chunks (no cut connection, no hang:
-every read is bounded); the proxy counted exactly those, by kind, in ``ray_raylm_proxy_replica_lost_requests_total``
-on the head's metrics port (serve/proxy_guard.py); with no node free, Serve's replacement waits rather than join the
-survivor (one replica per node); once a node is added, Serve starts the replacement there and it serves requests;
-and the canary (``python -m serve.canary --once``) then passes. The time from the loss to two serving replicas again
-and the share of failed requests are printed (``pytest -s``).
+**An engine's node.** Client threads send completions, streamed and not, with bounded timeouts, and record every
+outcome. The node is killed once its engine replica is known to hold both a stream that has sent its first chunks and
+a non-streaming request (``multinode.arrange_loss``: with the load paused and drained, probes go one at a time, each
+to the engine whose own count of requests in hand rose; the ingress answers for both engines, and the engines' own
+Serve logs end once vLLM starts). Asserted: every request another engine replica served succeeded, before, during
+and after the loss: every request that failed was in flight at the loss, both probes among them, and failed for a
+lost engine replica while the survivor stayed up; each was answered promptly and clearly (no cut connection, no hang:
+every read is bounded), one with nothing sent yet by a 503 and OpenAI's error body (``code: replica_unavailable``), a
+stream cut mid-way by an SSE error event of that code and ``[DONE]`` after its chunks; the ingress counted every
+request exactly once in ``raylm_server_requests_total`` (the lost ones as 503), and the proxy guard counted none (the
+ingress answered); with no node free Serve's replacement waits rather than join the survivor (a replica takes a whole
+worker); once a node is added, Serve starts the replacement there and it serves a request (a probe placed on it); and
+the canary (``python -m serve.canary --once``) then passes.
 
-Without serve/proxy_guard.py the same run fails: the lost stream ends in ``ChunkedEncodingError`` (the proxy closes
-the connection mid-body) and a lost non-streaming request gets uvicorn's plain-text 500.
+**The ingress's node.** Every request in flight goes through the ingress, so every one of them is lost with it, on
+both engines. Asserted: those and only those failed, with serve/proxy_guard.py's answers from the proxy (a 503 with
+OpenAI's error body naming the request id, or for a stream cut mid-way the SSE error event and ``[DONE]``), each
+logged by the proxy with the lost ingress replica, and counted by kind in
+``ray_raylm_proxy_replica_lost_requests_total`` on the head's metrics port; Serve starts a new ingress replica once an
+ingress node is added, and requests succeed through it. Without serve/proxy_guard.py that part fails: a cut stream
+ends in ``ChunkedEncodingError`` (the proxy closes the connection mid-body) and a lost request with nothing sent yet
+gets uvicorn's plain-text 500.
+
+The times (loss to answers, to Serve replacing, to serving again) and the share of failed requests are printed
+(``pytest -s``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
-import requests
-from multinode import MultiNodeCluster, NodeHandle, multinode_cluster, python_module, wait_for
+from multinode import (
+    INGRESS,
+    INGRESS_RESOURCE,
+    Load,
+    MultiNodeCluster,
+    ServingApp,
+    arrange_loss,
+    multinode_cluster,
+    probe_onto,
+    publish_export,
+    python_module,
+    start_serving,
+    wait_for,
+)
 from serve_fixtures import split_documents
 
-from ground.dist import free_port
-from ground.storage import Location
 from serve.evalset import build_evalset
-from train.export import LINEAGE
-from train.run_dir import publish_files
+from serve.proxy_guard import CODE, STATUS
 
 pytestmark = pytest.mark.ray
 
-APP, DEPLOYMENT = "raylm", "CompletionServer"
-REPLICA_ACTOR_CLASS = f"ServeReplica:{APP}:{DEPLOYMENT}"
-REPLICA_HEADER = "x-raylm-replica"
-# The untrained 4-layer, 1024-context test model: 300 greedy tokens take seconds on a busy core, so a request is
-# still running when its replica's node is killed (the trained tiny model's 128-token context ends a request in
-# well under a second).
-MAX_TOKENS = 300
-TIMEOUT = (5, 60)  # connect, and each read: a response that stops arriving is a failure, not a hang
+# The untrained 4-layer, 1024-context test model (head size 32, which vLLM's CPU attention has): 600 greedy tokens
+# take seconds even alone on an idle engine, so the probes are still running when their engine's node is killed.
+MAX_TOKENS = 600
 STREAM_CLIENTS, PLAIN_CLIENTS = 2, 3
+REPLACEMENT_TIMEOUT_S = 300  # a replacement vLLM replica on the new node: export fetched and converted, engine up
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +83,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
 
 
 @pytest.fixture(scope="module")
-def model_uri(cluster: MultiNodeCluster, long_context_export: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The export published to the bucket as ``python -m train.export --output s3://…`` does: every file, then
-    lineage.json listing each one's size and sha256, last."""
-    staging = tmp_path_factory.mktemp("export")
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):
-        shutil.copyfile(long_context_export / name, staging / name)
-    location = Location(f"{cluster.bucket}/models/long-context")
-    publish_files(staging, location, LINEAGE, json.loads((long_context_export / LINEAGE).read_text()))
-    return location.uri
+def serving(
+    cluster: MultiNodeCluster, long_context_export: Path, tmp_path_factory: pytest.TempPathFactory
+) -> ServingApp:
+    """The app, started once for the module: each test waits for it to be whole (2 engines, the ingress) first."""
+    work = tmp_path_factory.mktemp("serving")
+    model_uri = publish_export(cluster, long_context_export, work / "staging")
+    return start_serving(cluster, model_uri, work, max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -99,289 +104,93 @@ def evalset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-# ---- the load ------------------------------------------------------------------------------------------------
+def counted_since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
-@dataclass
-class Outcome:
-    """One request, as its client saw it."""
+def test_serving_survives_the_loss_of_an_engine_node(
+    cluster: MultiNodeCluster, serving: ServingApp, evalset: Path
+) -> None:
+    placed = serving.wait_ready()
+    engines = sorted(placed)
+    ingress, _ = serving.ingress()
+    guard_before = serving.lost_request_counts()
+    counted_before = serving.ingress_counts(ingress)
 
-    stream: bool
-    started: float
-    request_id: str  # sent as x-request-id: Serve's request id, in the proxy's log and the proxy guard's error
-    ended: float | None = None
-    status: int | None = None
-    replica: str | None = None  # x-raylm-replica
-    body: dict | None = None  # a non-streaming response's JSON
-    events: list = field(default_factory=list)  # a stream's data payloads: dicts, then "[DONE]"
-    exception: str | None = None  # the client's error (a cut connection, a timeout), if any
-
-    @property
-    def ok(self) -> bool:
-        if self.exception or self.status != 200:
-            return False
-        if not self.stream:
-            return self.body is not None and len(self.body["choices"]) == 1
-        return self.events[-1:] == ["[DONE]"] and not any("error" in e for e in self.events if isinstance(e, dict))
-
-    @property
-    def chunks(self) -> int:
-        return sum(1 for e in self.events if isinstance(e, dict) and "choices" in e)
-
-
-class Load:
-    """Client threads sending completions back to back until stopped: ``stream_clients`` streaming,
-    ``plain_clients`` not. Every request's outcome is recorded, in flight and finished."""
-
-    def __init__(self, base: str, stream_clients: int, plain_clients: int) -> None:
-        self.base = base
-        self.outcomes: list[Outcome] = []
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        kinds = [True] * stream_clients + [False] * plain_clients
-        self.threads = [threading.Thread(target=self._client, args=(s,), daemon=True) for s in kinds]
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(2 * TIMEOUT[1])
-        assert not any(t.is_alive() for t in self.threads), "a client is still waiting on a response"
-
-    def snapshot(self) -> list[Outcome]:
-        with self.lock:
-            return list(self.outcomes)
-
-    def _client(self, stream: bool) -> None:
-        body = {"prompt": "The history of the", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": stream}
-        while not self.stopping.is_set():
-            outcome = Outcome(stream, time.monotonic(), uuid.uuid4().hex)
-            with self.lock:
-                self.outcomes.append(outcome)
-            headers = {"x-request-id": outcome.request_id}
-            try:
-                with requests.post(
-                    f"{self.base}/v1/completions", json=body, headers=headers, stream=stream, timeout=TIMEOUT
-                ) as response:
-                    outcome.status = response.status_code
-                    outcome.replica = response.headers.get(REPLICA_HEADER)
-                    if stream and response.status_code == 200:
-                        for line in response.iter_lines():
-                            if line.startswith(b"data: "):
-                                payload = line[len(b"data: ") :].decode()
-                                outcome.events.append(payload if payload == "[DONE]" else json.loads(payload))
-                    else:
-                        outcome.body = response.json()
-            except (requests.RequestException, ValueError) as exc:
-                outcome.exception = repr(exc)
-            outcome.ended = time.monotonic()
-
-
-# ---- the cluster's view ----------------------------------------------------------------------------------------
-
-
-def replica_actors(cluster: MultiNodeCluster) -> list:
-    from ray.util.state import list_actors
-
-    actors = list_actors(address=cluster.dashboard_url, timeout=10, limit=10_000, raise_on_missing_output=False)
-    return [a for a in actors if a.class_name == REPLICA_ACTOR_CLASS]
-
-
-def alive_replicas(cluster: MultiNodeCluster) -> dict[str, str]:
-    """Live replicas' actor names (``SERVE_REPLICA::app#deployment#id``, Serve's full replica id, which is what
-    ``x-raylm-replica`` names) -> node id."""
-    return {a.name: a.node_id for a in replica_actors(cluster) if a.state == "ALIVE"}
-
-
-def replica_states() -> dict[str, int]:
-    """Serve's count of the deployment's replicas by state (RUNNING, STARTING, ...)."""
-    from ray import serve
-
-    app = serve.status().applications.get(APP)
-    deployment = app.deployments.get(DEPLOYMENT) if app else None
-    states = deployment.replica_states if deployment else {}
-    return {getattr(state, "value", state): n for state, n in states.items() if n}
-
-
-def running_replicas() -> int:
-    return replica_states().get("RUNNING", 0)
-
-
-def metrics_ports(sd_dir: Path, replicas: set[str]) -> dict[str, int] | None:
-    """Each replica's scrape port, from the Prometheus file_sd targets the replicas register (serve/metrics.py)."""
-    ports = {}
-    for path in sd_dir.glob("raylm-serve-*.json"):
-        for group in json.loads(path.read_text()):
-            ports[group["labels"]["raylm_replica"]] = int(group["targets"][0].rsplit(":", 1)[1])
-    return ports if replicas <= ports.keys() else None
-
-
-def engine_sequences(port: int) -> int:
-    """Sequences in the replica's engine now (running + waiting), from its own Prometheus gauges."""
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).text
-    gauges = re.finditer(r"^raylm_server_requests_(?:running|waiting)\{.*\} (\S+)$", text, re.M)
-    return sum(int(float(m.group(1))) for m in gauges)
-
-
-def lose_node(cluster: MultiNodeCluster, worker: NodeHandle) -> None:
-    """A VM loss: SIGKILL every process of the node at once (its raylet and agents, and the workers they started,
-    which on their own outlive a killed raylet by up to a second), then let the cluster declare it dead."""
-    roots = [info.process.pid for infos in worker.node.all_processes.values() for info in infos]
-    procs = []
-    for pid in roots:
-        try:
-            root = psutil.Process(pid)
-            procs += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-    cluster.kill_node(worker)
-
-
-def proxy_failures(cluster: MultiNodeCluster) -> dict[str, str]:
-    """Request id -> the record of each request Serve's proxy on the head logged as failed ("Request failed: ...",
-    with the error Ray gave it: for a dead replica, its actor name and why it died)."""
-    failures = {}
-    for log in (Path(cluster.head.node.get_logs_dir_path()) / "serve").glob("proxy_*.log"):
-        # A record starts with its level and date; an error's own lines follow it.
-        records = re.split(r"^(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-)", log.read_text(), flags=re.M)
-        for record in records:
-            found = re.match(r"\S+ \S+ \S+ \S+ \S+ (\S+) -- Request failed: ", record)
-            if found:
-                failures[found.group(1)] = record
-    return failures
-
-
-def lost_request_counts(cluster: MultiNodeCluster) -> dict[str, float]:
-    """The proxy guard's counter on the head node's Ray metrics port, by ``stream`` label."""
-    head = next(n for n in ray.nodes() if n["NodeID"] == cluster.head.node_id)
-    text = requests.get(f"http://127.0.0.1:{head['MetricsExportPort']}/metrics", timeout=TIMEOUT).text
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("ray_raylm_proxy_replica_lost_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            assert 'status_code="503"' in labels
-            kind = re.search(r'stream="(\w+)"', labels).group(1)
-            counts[kind] = counts.get(kind, 0) + float(value)
-    return counts
-
-
-# ---- the test ------------------------------------------------------------------------------------------------
-
-
-def test_serving_survives_the_loss_of_a_node(cluster: MultiNodeCluster, model_uri: str, evalset: Path) -> None:
-    cluster.ensure_workers(2)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    sd_dir = cluster.root / "prom_sd"
-    job = cluster.submit(
-        python_module(
-            "serve", "--model", model_uri, "--port", str(port), "--address", "auto",
-            "--num-replicas", "2", "--max-replicas-per-node", "1", "--proxy-location", "HeadOnly",
-            "--max-batch-size", "8", "--metrics-sd-dir", str(sd_dir),
+    with Load(serving.base, serving.model, STREAM_CLIENTS, PLAIN_CLIENTS, MAX_TOKENS) as load:
+        # Both engine replicas serve the load before anything is lost.
+        wait_for(
+            lambda: sum(o.ok for o in load.snapshot()) >= 2 and all(serving.ongoing(engines).values()),
+            180,
+            "responses, and requests on each engine",
+            0.2,
         )
-    )  # fmt: skip
-
-    def serving_on_both_workers() -> dict[str, str] | None:
-        if cluster.jobs.get_job_status(job).is_terminal():
-            raise AssertionError(f"python -m serve exited:\n{cluster.job_logs(job)[-5000:]}")
-        placed = alive_replicas(cluster)
-        ready = running_replicas() == 2 and sorted(placed.values()) == sorted(w.node_id for w in cluster.workers)
-        return placed if ready else None
-
-    placed = wait_for(serving_on_both_workers, 180, "2 replicas running, one on each worker node", 0.5)
-    by_node = {node: replica for replica, node in placed.items()}
-    victim_node, survivor_node = cluster.workers[0], cluster.workers[1]
-    victim, survivor = by_node[victim_node.node_id], by_node[survivor_node.node_id]
-    ports = wait_for(lambda: metrics_ports(sd_dir, {victim, survivor}), 60, "the replicas' scrape targets")
-    victim_actor_id = next(a.actor_id for a in replica_actors(cluster) if a.name == victim)
-
-    with Load(base, STREAM_CLIENTS, PLAIN_CLIENTS) as load:
-        # Both replicas answer before anything is lost.
-        wait_for(lambda: {o.replica for o in load.snapshot() if o.ok} >= {victim, survivor}, 120, "both replicas", 0.2)
-
-        def both_kinds_in_flight_on_victim() -> bool:
-            in_flight = [o for o in load.snapshot() if o.ended is None]
-            # A stream the victim has started answering, with most of its tokens still to come.
-            stream_there = any(o.stream and o.replica == victim and 0 < o.chunks < MAX_TOKENS // 3 for o in in_flight)
-            # The engine's sequences beyond every stream that could be there: a non-streaming request is.
-            streams_maybe_there = sum(1 for o in in_flight if o.stream and o.replica in (None, victim))
-            return stream_there and engine_sequences(ports[victim]) > streams_maybe_there
-
-        wait_for(both_kinds_in_flight_on_victim, 120, "a stream and a non-streaming request on the victim", 0.05)
+        victim, stream_probe, plain_probe = arrange_loss(load, serving, engines, MAX_TOKENS)
+        (survivor,) = [e for e in engines if e != victim]
+        victim_node, survivor_node = cluster.worker_on(placed[victim]), cluster.worker_on(placed[survivor])
+        held = serving.ongoing(engines)
         lost_at = time.monotonic()
-        lose_node(cluster, victim_node)
+        cluster.lose_node(victim_node)
         declared_dead_at = time.monotonic()
 
         # Every request that was in flight at the loss ends (bounded by the client timeouts).
-        wait_for(lambda: all(o.ended for o in load.snapshot() if o.started <= lost_at), 2 * TIMEOUT[1], "the lost")
-        # Serve starts a replacement, which waits for capacity: the survivor's node has a free CPU, but one replica
-        # per node keeps it off there.
-        wait_for(lambda: replica_states() == {"RUNNING": 1, "STARTING": 1}, 60, "Serve to start a replacement", 0.2)
+        wait_for(lambda: all(o.ended for o in load.snapshot() if o.started <= lost_at), 2 * load.timeout[1], "the lost")
+        # Serve starts a replacement, which waits for room: a replica takes all of a worker's CPUs, so it cannot join
+        # the survivor.
+        wait_for(
+            lambda: (s := serving.states(serving.engine)).get("RUNNING") == 1 and sum(s.values()) == 2,
+            60,
+            "Serve to start a replacement",
+            0.2,
+        )
         noticed_at = time.monotonic()
-        assert alive_replicas(cluster) == {survivor: survivor_node.node_id}
+        assert serving.replicas(serving.engine) == {survivor: survivor_node.node_id}
 
         replacement_node = cluster.add_worker()
         node_added_at = time.monotonic()
 
         def replaced() -> str | None:
-            placed = alive_replicas(cluster)
-            new = [r for r, node in placed.items() if node == replacement_node.node_id]
-            return new[0] if new and running_replicas() == 2 and placed.get(survivor) == survivor_node.node_id else None
+            now = serving.replicas(serving.engine)
+            new = [r for r, node in now.items() if node == replacement_node.node_id]
+            running = serving.states(serving.engine) == {"RUNNING": 2}
+            return new[0] if new and running and now.get(survivor) == survivor_node.node_id else None
 
-        replacement = wait_for(replaced, 180, "Serve to start the replacement replica on the new node", 0.2)
+        replacement = wait_for(replaced, REPLACEMENT_TIMEOUT_S, "Serve to start the replacement on the new node", 0.5)
         running_again_at = time.monotonic()
-        served = wait_for(
-            lambda: min((o.ended for o in load.snapshot() if o.ok and o.replica == replacement), default=None),
-            120,
-            "a response from the replacement replica",
-            0.1,
-        )
+        # A request the replacement serves, known exactly (multinode.probe_onto), and its answer.
+        replacement_probe = probe_onto(load, serving, [survivor, replacement], replacement)
+        served = wait_for(lambda: replacement_probe.ended, 2 * load.timeout[1], "the replacement's response", 0.1)
 
+    assert not load.stuck, load.stuck
+    counted = counted_since(serving.ingress_counts(ingress), counted_before)
     outcomes = load.snapshot()
     failed = [o for o in outcomes if not o.ok]
     lost_streams = [o for o in failed if o.stream]
     lost_plain = [o for o in failed if not o.stream]
-    # Every request another replica served succeeded, before, during and after the loss.
-    others = [o for o in outcomes if o.replica in (survivor, replacement)]
-    assert others and all(o.ok for o in others), [o for o in others if not o.ok]
-    assert all(o.replica in (victim, survivor, replacement) for o in outcomes if o.replica)
-    # The lost ones: in flight at the loss, both kinds, each with a clear error and no hang.
-    assert lost_streams and lost_plain, failed
+
+    # Every request another engine served succeeded, before, during and after the loss. What failed was in flight at
+    # the loss, both probes placed on the victim among them, and failed because an engine replica was lost (the
+    # error code checked last: the ingress gives it for nothing else) while the survivor stayed up throughout (on its
+    # node, by its name, as replaced() saw it): so on the victim. The probe placed on the replacement succeeded.
+    assert {o.replica for o in outcomes if o.replica} == {ingress}  # the one ingress answered them all
+    assert {stream_probe.request_id, plain_probe.request_id} <= {o.request_id for o in failed}, failed
+    assert replacement_probe.ok, replacement_probe
+    cut = [o for o in failed if o.status == 200]  # streaming when its engine went: its chunks, an error event, [DONE]
+    unanswered = [o for o in failed if o.status != 200]  # nothing sent yet: an error body
     for o in failed:
         assert o.exception is None, o  # no cut connection, no timeout
         assert o.started <= declared_dead_at and o.ended >= lost_at, o
-    for o in lost_plain:
-        assert o.status == 503 and o.replica is None, o
-        error = o.body["error"]
-        assert error["code"] == "replica_unavailable" and error["type"] == "server_error", o
-        assert "the replica serving this request was lost" in error["message"] and o.request_id in error["message"], o
-    # Serve's proxy logged each of them, and only them, as failed because the victim replica was gone: died with its
-    # node (ActorDiedError, naming it), or, before GCS declared the node dead, unreachable (ActorUnavailableError,
-    # naming its actor id).
-    failures = proxy_failures(cluster)
-    assert failures.keys() == {o.request_id for o in failed}, failures
-    for record in failures.values():
-        died = f"name: {victim}\n" in record and "The actor died because its node has died" in record
-        assert died or f"The actor {victim_actor_id} is unavailable" in record, record
-    for o in lost_streams:
-        assert o.status == 200 and o.replica == victim and o.chunks >= 1, o  # it was streaming when its node went
-        error, done = o.events[-2:]
-        assert done == "[DONE]" and error["error"]["code"] == "replica_unavailable", o
-        assert "the replica serving this request was lost" in error["error"]["message"], o
-    # The proxy counted exactly those (Ray exports its metrics every few seconds: wait for them).
-    expected = {"true": float(len(lost_streams)), "false": float(len(lost_plain))}
-    wait_for(lambda: lost_request_counts(cluster) == expected, 60, f"lost-request counts {expected}", 1.0)
+        assert o.error is not None and o.error["type"] == "server_error", o
+    for o in cut:
+        assert o.stream and o.chunks >= 1 and o.events[-1] == "[DONE]" and "error" in o.events[-2], o
+    for o in unanswered:
+        assert o.status >= 500 and o.body is not None, o
+    assert stream_probe.request_id in {o.request_id for o in cut}, stream_probe
+    assert plain_probe.request_id in {o.request_id for o in unanswered}, plain_probe
 
     # The canary's next run passes against the two replicas.
     canary = subprocess.run(
-        python_module("serve.canary", "--endpoint", base, "--evalset", str(evalset), "--once"),
+        python_module("serve.canary", "--endpoint", serving.base, "--evalset", str(evalset), "--once"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -391,13 +200,124 @@ def test_serving_survives_the_loss_of_a_node(cluster: MultiNodeCluster, model_ur
     assert result["status"] == "success" and result["items_passed"] == result["items_total"] == 4, result
 
     print(
-        f"\nnode loss: {len(failed)}/{len(outcomes)} requests failed ({len(failed) / len(outcomes):.1%}: "
-        f"{len(lost_streams)} streams, {len(lost_plain)} non-streaming, all on the lost replica, answered within "
+        f"\nengine node loss: {len(failed)}/{len(outcomes)} requests failed ({len(failed) / len(outcomes):.1%}: "
+        f"{len(lost_streams)} streams ({len(cut)} cut mid-stream), {len(lost_plain)} non-streaming; the victim held "
+        f"{held[victim]} and the survivor {held[survivor]} at the loss; answered within "
         f"{max(o.ended for o in failed) - lost_at:.1f} s of the loss); "
         f"GCS declared the node dead {declared_dead_at - lost_at:.1f} s after the loss, Serve was replacing the "
         f"replica by {noticed_at - lost_at:.1f} s; "
         f"a node was added {node_added_at - lost_at:.1f} s after the loss; 2 replicas running "
         f"{running_again_at - lost_at:.1f} s after the loss ({running_again_at - node_added_at:.1f} s after the node "
         f"was added); first response from the replacement {served - lost_at:.1f} s after the loss",
+        file=sys.stderr,
+    )
+
+    # Counted once each by the ingress, which answered every one of them; nothing by the proxy guard, which saw
+    # every response finished (Ray exports its metrics every few seconds; the canary's run gave them time).
+    assert sum(counted.values()) == len(outcomes) and counted.get("200") == len(outcomes) - len(failed), counted
+    assert serving.lost_request_counts() == guard_before
+    # The answer for a request whose engine was lost: the one a lost replica's request gets from the proxy guard (503,
+    # code replica_unavailable), from the ingress, as a JSON body or as the stream's error event.
+    for o in failed:
+        assert o.error["code"] == CODE, o
+    assert all(o.status == STATUS for o in unanswered), unanswered
+    assert counted.get(str(STATUS)) == len(failed), counted
+
+
+def test_serving_survives_the_loss_of_the_ingress_node(cluster: MultiNodeCluster, serving: ServingApp) -> None:
+    serving.wait_ready()
+    ingress, ingress_node_id = serving.ingress()
+    ingress_node = cluster.worker_on(ingress_node_id)
+    ingress_actor_id = serving.actor_id(ingress)
+    guard_before = serving.lost_request_counts()
+
+    with Load(serving.base, serving.model, STREAM_CLIENTS, PLAIN_CLIENTS, MAX_TOKENS) as load:
+        wait_for(lambda: sum(o.ok for o in load.snapshot()) >= 2, 180, "responses through the ingress", 0.5)
+
+        def both_kinds_in_flight() -> bool:
+            in_flight = load.in_flight()
+            # A stream the ingress is answering, with most of its tokens still to come.
+            stream_there = any(o.stream and 0 < o.chunks < MAX_TOKENS // 3 for o in in_flight)
+            # The ingress's requests beyond every stream in flight: a non-streaming request is among them.
+            return stream_there and serving.ongoing([ingress])[ingress] > sum(o.stream for o in in_flight)
+
+        wait_for(both_kinds_in_flight, 120, "a stream and a non-streaming request at the ingress", 0.05)
+        load.pause()  # nothing new until the ingress is back: the requests lost are those in flight
+        lost_at = time.monotonic()
+        cluster.lose_node(ingress_node)
+        declared_dead_at = time.monotonic()
+        wait_for(lambda: not load.in_flight(), 2 * load.timeout[1], "the lost requests to be answered")
+        answered_at = time.monotonic()
+
+        # Serve starts a new ingress replica, which waits for a node it may run on.
+        wait_for(lambda: "RUNNING" not in serving.states(INGRESS), 60, "Serve to replace the ingress", 0.2)
+        noticed_at = time.monotonic()
+        new_node = cluster.add_worker(num_cpus=0, resources={INGRESS_RESOURCE: 1})
+        node_added_at = time.monotonic()
+        new_ingress = wait_for(
+            lambda: serving.ready() and serving.ingress()[1] == new_node.node_id and serving.ingress()[0],
+            120,
+            "the new ingress replica on the new node",
+            0.5,
+        )
+        running_again_at = time.monotonic()
+        load.resume()
+        wait_for(
+            lambda: sum(o.ok for o in load.snapshot() if o.started >= running_again_at) >= 3,
+            180,
+            "responses through the new ingress",
+            0.5,
+        )
+
+    assert not load.stuck, load.stuck
+    outcomes = load.snapshot()
+    failed = [o for o in outcomes if not o.ok]
+    lost_streams = [o for o in failed if o.stream]
+    lost_plain = [o for o in failed if not o.stream]
+    # Before the loss and after the new ingress came, every request succeeded; what failed was in flight at the loss
+    # (on either engine: the ingress carried them all), and what was in flight then failed, unless it had ended
+    # before the kill took effect.
+    before = [o for o in outcomes if o.ended < lost_at]
+    after = [o for o in outcomes if o.started >= running_again_at]
+    assert before and after and all(o.ok for o in before + after), [o for o in before + after if not o.ok]
+    assert all(o.replica == new_ingress for o in after), after
+    cut = [o for o in failed if o.status == 200]  # streaming when the ingress went: its chunks, then the guard's
+    unanswered = [o for o in failed if o.status != 200]  # nothing sent yet: the guard's 503
+    assert cut and any(not o.stream for o in unanswered), failed
+    for o in outcomes:
+        if o.started <= lost_at < o.ended:
+            assert not o.ok or o.ended < declared_dead_at, o
+    for o in failed:
+        assert o.exception is None, o  # no cut connection, no timeout
+        assert o.started <= lost_at and o.ended >= lost_at, o
+        assert o.error["code"] == CODE and o.error["type"] == "server_error", o
+        assert "was lost" in o.error["message"] and o.request_id in o.error["message"], o
+    for o in unanswered:
+        assert o.status == STATUS and o.replica is None and o.body is not None, o
+    for o in cut:
+        assert o.stream and o.replica == ingress and o.chunks >= 1 and o.events[-1] == "[DONE]", o
+    # Serve's proxy logged each of them, and only them of this load, as failed because the ingress replica was gone:
+    # died with its node (ActorDiedError, naming it), or, before GCS declared the node dead, unreachable
+    # (ActorUnavailableError, naming its actor id).
+    ids = {o.request_id for o in outcomes}
+    failures = {i: record for i, record in serving.proxy_failures().items() if i in ids}
+    assert failures.keys() == {o.request_id for o in failed}, failures
+    for record in failures.values():
+        died = f"name: {ingress}\n" in record and "The actor died because its node has died" in record
+        assert died or f"The actor {ingress_actor_id} is unavailable" in record, record
+    # The proxy guard counted exactly those (Ray exports its metrics every few seconds: wait for them).
+    expected = {
+        "true": guard_before.get("true", 0.0) + len(cut),
+        "false": guard_before.get("false", 0.0) + len(unanswered),
+    }
+    wait_for(lambda: serving.lost_request_counts() == expected, 60, f"lost-request counts {expected}", 1.0)
+
+    print(
+        f"\ningress node loss: {len(failed)}/{len(outcomes)} requests failed ({len(lost_streams)} streams, "
+        f"{len(cut)} of them cut mid-stream, {len(lost_plain)} non-streaming: every one in flight), answered "
+        f"within {answered_at - lost_at:.1f} s of the loss; GCS declared the node dead "
+        f"{declared_dead_at - lost_at:.1f} s after the loss, Serve was replacing the ingress by "
+        f"{noticed_at - lost_at:.1f} s; a node was added {node_added_at - lost_at:.1f} s after the loss; the new "
+        f"ingress running {running_again_at - node_added_at:.1f} s after the node was added",
         file=sys.stderr,
     )

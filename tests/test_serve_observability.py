@@ -1,11 +1,18 @@
-"""Metrics, dashboard and alerts end to end: the app and its canary on a real Ray Serve, scraped by a real
-Prometheus (Debian's binary, started here on loopback with dashboards/prometheus.yml rewritten to a
-temp service-discovery dir, this Ray node's metrics agent and 1 s intervals, loading dashboards/alerts.yml
-unchanged). Ray exports its own metrics (Serve's ray_serve_*) every metrics_report_interval_ms, 10 s by
-default; RAY_metrics_report_interval_ms=1000 shortens that to 1 s for this module.
+"""Metrics, dashboard and alerts end to end: the app (vLLM under Ray Serve LLM, raylm's ingress) and its canary on
+a real Ray Serve, scraped by a real Prometheus (Debian's binary, started here on loopback with
+dashboards/prometheus.yml rewritten to a temp service-discovery dir, this Ray node's metrics agent and 1 s
+intervals, loading dashboards/alerts.yml unchanged).
 
-Order matters inside this module (pytest keeps file order): request counts are asserted before other
-tests add requests, and the model swap comes last.
+The engine's numbers are vLLM's (``ray_vllm_*``), which reach Prometheus the way Ray Serve's own (``ray_serve_*``)
+do: through the node's Ray metrics agent, exported every metrics_report_interval_ms, 10 s by default;
+RAY_metrics_report_interval_ms=1000 shortens that to 1 s for this module. The ingress's own series
+(``raylm_server_requests_total``, ``gen_ai_server_request_duration_seconds``) come from its replica's scrape endpoint.
+
+The canary scores through /v1/completions like any client, so its requests are in every count: the counts are
+compared with each other at a moment when all of them have caught up (the canary runs every CANARY_INTERVAL), and
+the test's own requests are told apart by what they generate (8 tokens each; the canary's, 1).
+
+Order matters inside this module (pytest keeps file order): the model swap comes last.
 """
 
 from __future__ import annotations
@@ -22,19 +29,45 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
-from prometheus_helpers import DASHBOARDS, query, ray_metrics_target, running_prometheus, scalar, wait_for
-from serve_fixtures import running_app, split_documents
+import yaml
+from prometheus_helpers import DASHBOARDS, alerts, query, ray_metrics_target, running_prometheus, scalar, wait_for
+from serve_fixtures import fast_start, running_app, split_documents
 
 from ground.dist import free_port
 from serve.canary import main as canary_main
-from serve.model_dir import load_model_dir
+from serve.model_dir import read_export
 
 pytestmark = pytest.mark.ray
 
-CANARY_INTERVAL = 2.0
+# Long enough that between two canary runs every count has time to reach Prometheus (Ray's export and the
+# scrape: about 2 s), short enough that the model swap is scored within seconds.
+CANARY_INTERVAL = 5.0
 N_REQUESTS = 6
+TOKENS = 8
 MAX_ONGOING = 2
 OVERLOAD_REQUESTS = 12
+MODEL = "tiny-ccnet"  # the export's directory name
+ENGINE = f"ExportServer:{MODEL}"  # the engine's Serve deployment
+
+# Every completion the engine served, counted five ways by vLLM and twice by the ingress.
+SERVED = {
+    "engine ttft": "sum(ray_vllm_time_to_first_token_seconds_count)",
+    "engine e2e": "sum(ray_vllm_e2e_request_latency_seconds_count)",
+    "engine queue": "sum(ray_vllm_request_queue_time_seconds_count)",
+    "engine tpot per request": "sum(ray_vllm_request_time_per_output_token_seconds_count)",
+    "engine finished": "sum(ray_vllm_request_success_total)",
+    "ingress completions": 'sum(raylm_server_requests_total{status_code="200",finish_reason=~"stop|length"})',
+    "ingress duration": "sum(gen_ai_server_request_duration_seconds_count)",
+}
+TOKEN_COUNTS = {
+    "generated": "sum(ray_vllm_generation_tokens_total)",
+    "token gaps": "sum(ray_vllm_inter_token_latency_seconds_count)",
+    # Requests that generated 6 to 10 tokens (vLLM's buckets 1, 2, 5, 10, ...): this test's, not the canary's.
+    "generated 6-10": (
+        'sum(ray_vllm_request_generation_tokens_bucket{le="10.0"})'
+        ' - sum(ray_vllm_request_generation_tokens_bucket{le="5.0"})'
+    ),
+}
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +83,29 @@ def evalset(tmp_path_factory: pytest.TempPathFactory) -> Path:
         data / "documents" / "val-00000.parquet",
     )
     out = data / "canary" / "evalset.jsonl"
-    assert canary_main(["build", "--data", str(data), "--output", str(out), "--items", "4"]) == 0
+    # vLLM scores a text only within the model's context (128 tokens for the tiny model): 250 characters are
+    # 114-122 of its tokens, plus the document-start token and the one generated token.
+    build = ["build", "--data", str(data), "--output", str(out), "--items", "4", "--max-chars", "250"]
+    assert canary_main(build) == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_export, evalset, tmp_path_factory):
-    """(app base URL, Prometheus URL, app args): the trained model with its canary every 2 s."""
+    """(app base URL, Prometheus URL, app args): the trained model with its canary every CANARY_INTERVAL."""
     sd_dir = tmp_path_factory.mktemp("prom-sd")
     port = free_port()
     args = {
         "model": str(tiny_export),
         "num_replicas": 1,
         "max_batch_size": 4,
-        # Two requests at the replica at a time: a burst of OVERLOAD_REQUESTS queues in the proxy's router.
+        # Two requests at the engine replica at a time: a burst of OVERLOAD_REQUESTS queues in the ingress's router.
         "max_ongoing_requests": MAX_ONGOING,
         "metrics_sd_dir": str(sd_dir),
         "canary_evalset": str(evalset),
         "canary_interval": CANARY_INTERVAL,
         "canary_endpoint": f"http://127.0.0.1:{port}",
-        # The trained model scores about -5.1 nats/token on these items, the shuffled one about -6.4.
+        # The trained model scores about -4.7 nats/token on these items, the shuffled one about -6.5.
         "canary_min_score": -5.8,
     }
     with pytest.MonkeyPatch.context() as env:
@@ -85,9 +121,29 @@ def stack(tiny_export, evalset, tmp_path_factory):
             yield base_url, prom, args
 
 
-def test_histogram_counts_in_prometheus_equal_the_requests_served(stack) -> None:
-    base_url, prom, _ = stack
-    body = {"prompt": "The council", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+def snapshot(prom: str, exprs: dict[str, str]) -> dict[str, float]:
+    """Every expression evaluated at the same instant (absent = 0)."""
+    at = time.time()
+    values = {}
+    for name, expr in exprs.items():
+        body = requests.get(f"{prom}/api/v1/query", params={"query": expr, "time": at}, timeout=10).json()
+        assert body["status"] == "success", body
+        result = body["data"]["result"]
+        values[name] = float(result[0]["value"][1]) if result else 0.0
+    return values
+
+
+def settled(prom: str, at_least: float = 0) -> dict[str, float] | None:
+    """A snapshot in which every count of SERVED agrees (nothing in flight, every export scraped), or None."""
+    values = snapshot(prom, {**SERVED, **TOKEN_COUNTS})
+    served = {values[name] for name in SERVED}
+    return values if len(served) == 1 and served.pop() >= at_least else None
+
+
+def test_engine_and_ingress_count_every_request_served(stack) -> None:
+    base_url, prom, args = stack
+    before = wait_for(lambda: settled(prom), what="the engine's and the ingress's counts to agree")
+    body = {"prompt": "The council", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
     for i in range(N_REQUESTS):
         stream = i % 2 == 1
         resp = requests.post(f"{base_url}/v1/completions", json={**body, "stream": stream}, timeout=60)
@@ -95,50 +151,67 @@ def test_histogram_counts_in_prometheus_equal_the_requests_served(stack) -> None
         if stream:
             assert resp.text.endswith("data: [DONE]\n\n")
 
-    def counts() -> tuple | None:
-        got = tuple(
-            scalar(prom, f"sum({name}_count)")
-            for name in (
-                "gen_ai_server_time_to_first_token_seconds",
-                "gen_ai_server_time_per_output_token_seconds",
-                "gen_ai_server_request_duration_seconds",
-                "raylm_server_queue_time_seconds",
-            )
-        )
-        return got if got == (N_REQUESTS,) * 4 else None
+    total = before["engine finished"] + N_REQUESTS
+    after = wait_for(lambda: settled(prom, total), what=f"every count to reach {total}: {snapshot(prom, SERVED)}")
+    # This test's requests, in vLLM's per-request histogram of generated tokens: exactly N_REQUESTS more.
+    assert after["generated 6-10"] - before["generated 6-10"] == N_REQUESTS
+    assert after["generated"] - before["generated"] >= TOKENS * N_REQUESTS
+    # The token counter agrees with the inter-token histogram: every token after a request's first has its
+    # latency observed. (Not with the _sum of vLLM's per-request token histogram: Ray's metrics agent rebuilds a
+    # histogram's _sum from its bucket midpoints, so the _sum of every ray_vllm_* histogram is approximate.)
+    assert after["token gaps"] == after["generated"] - after["engine finished"]
 
-    wait_for(counts, what=f"TTFT/TPOT/e2e/queue counts == {N_REQUESTS}")
-    assert scalar(prom, 'sum(raylm_server_token_usage_total{gen_ai_token_type="output"})') == 8 * N_REQUESTS
-    assert scalar(prom, 'sum(raylm_server_requests_total{status_code="200",finish_reason="length"})') == N_REQUESTS
-    # The labels every series carries: model name and lineage id, as served.
-    lineage = load_model_dir(stack[2]["model"]).lineage_id
-    (series,) = query(prom, "gen_ai_server_time_to_first_token_seconds_count")
-    assert series["metric"]["gen_ai_request_model"] == "tiny-ccnet"
-    assert series["metric"]["raylm_lineage_id"] == lineage
-    assert series["metric"]["job"] == "raylm-serve"
+    # vLLM's series name the model (model_name) and the engine replica (ReplicaId: Serve's id of the replica, as
+    # Ray Serve's own series call it), and come through the node's metrics agent (job "ray").
+    (ttft,) = query(prom, "ray_vllm_time_to_first_token_seconds_count")
+    assert ttft["metric"]["model_name"] == MODEL and ttft["metric"]["job"] == "ray"
+    (replica,) = query(prom, f'ray_serve_replica_processing_queries{{deployment="{ENGINE}"}}')
+    assert ttft["metric"]["ReplicaId"] == replica["metric"]["replica"]
+    # The ingress's series: model name and lineage id as served, the replica's target labels.
+    (ingress,) = query(prom, 'raylm_server_requests_total{status_code="200",finish_reason="length"}')
+    assert ingress["metric"]["gen_ai_request_model"] == MODEL
+    assert ingress["metric"]["raylm_lineage_id"] == read_export(args["model"]).lineage_id
+    assert ingress["metric"]["job"] == "raylm-serve"
+    assert (ingress["metric"]["application"], ingress["metric"]["deployment"]) == ("raylm", "RayLMIngress")
 
 
 def test_client_errors_are_counted_with_their_status(stack) -> None:
     base_url, prom, _ = stack
-    assert requests.post(f"{base_url}/v1/completions", json={"max_tokens": 3}, timeout=30).status_code == 400
-    wait_for(
-        lambda: scalar(prom, 'sum(raylm_server_requests_total{status_code="400",finish_reason="error"})') == 1,
-        what="the 400 in raylm_server_requests_total",
-    )
+    errors = {
+        "400": [
+            {"prompt": "x", "max_tokens": 3, "n": 1000},  # the ingress's cap on sequences per request
+            {"prompt": "x", "max_tokens": 3, "temperature": -1},  # vLLM's own validation
+        ],
+        "404": [{"model": "no-such-model", "prompt": "x", "max_tokens": 3}],
+    }
+
+    def counted() -> dict[str, float]:
+        return {
+            code: scalar(prom, f'sum(raylm_server_requests_total{{status_code="{code}",finish_reason="error"}})') or 0
+            for code in errors
+        }
+
+    before = counted()
+    for code, bodies in errors.items():
+        for body in bodies:
+            resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=30)
+            assert str(resp.status_code) == code, resp.text
+            assert resp.json()["error"]["type"] != "server_error"
+    expected = {code: before[code] + len(bodies) for code, bodies in errors.items()}
+    wait_for(lambda: counted() == expected, what=f"the client errors in raylm_server_requests_total: {expected}")
 
 
 def test_overload_waits_in_the_router_where_only_ray_serve_metrics_see_it(stack) -> None:
-    """A burst past max_ongoing_requests: the surplus waits in the Serve proxy's router, before the replica's
-    clocks start. Clients' TTFT exceeds what the replica's TTFT histogram says by about that wait, and Ray
-    Serve's router histogram (from the node's metrics agent, via the `ray` job) holds it, joined to the model
-    exactly as RayLMServeOverloaded joins it. The alert itself needs 5 minutes of overload (`for: 5m` on a 5 m
-    rate), so its threshold and `for` are tested in alerts_test.yml; here: the series it reads exist and agree
-    with what clients measured."""
+    """A burst past the engine's max_ongoing_requests: the surplus waits in the ingress replica's router for the
+    engine, before vLLM's clocks start. Clients' TTFT exceeds what vLLM's TTFT histogram says by about that wait,
+    and Ray Serve's router histogram (from the node's metrics agent, via the `ray` job) holds it, joined to the
+    model exactly as RayLMServeOverloaded joins it. The alert itself needs 5 minutes of overload (`for: 5m` on a
+    5 m rate), so its threshold and `for` are tested in alerts_test.yml; here: the series it reads exist and agree
+    with what clients measured, and vLLM's scheduler gauges show the engine never held more than
+    max_ongoing_requests."""
     base_url, prom, _ = stack
-    ttft = "sum(gen_ai_server_time_to_first_token_seconds_{})"
-    router = (
-        'sum(ray_serve_request_router_fulfillment_time_ms_sum{handle_source="PROXY",deployment="CompletionServer"})'
-    )
+    ttft = "sum(ray_vllm_time_to_first_token_seconds_{})"
+    router = f'sum(ray_serve_request_router_fulfillment_time_ms_sum{{deployment="{ENGINE}"}})'
     before = {"ttft_sum": scalar(prom, ttft.format("sum")), "ttft_count": scalar(prom, ttft.format("count"))}
     before["router_ms"] = scalar(prom, router) or 0.0
     body = {"prompt": "The council", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -158,14 +231,15 @@ def test_overload_waits_in_the_router_where_only_ray_serve_metrics_see_it(stack)
     with ThreadPoolExecutor(OVERLOAD_REQUESTS) as pool:
         client = list(pool.map(client_ttft, range(OVERLOAD_REQUESTS)))
     wait_for(
-        lambda: scalar(prom, ttft.format("count")) == before["ttft_count"] + OVERLOAD_REQUESTS,
-        what="the burst in the replica's TTFT histogram",
+        lambda: scalar(prom, ttft.format("count")) >= before["ttft_count"] + OVERLOAD_REQUESTS,
+        what="the burst in vLLM's TTFT histogram",
     )
-    replica_total = scalar(prom, ttft.format("sum")) - before["ttft_sum"]
-    hidden = sum(client) - replica_total  # TTFT the clients waited and the replica's histogram did not see
-    seen = {"client_mean": sum(client) / len(client), "replica_mean": replica_total / len(client), "hidden": hidden}
-    # The replica held at most MAX_ONGOING of the burst at a time: most of the clients' wait was elsewhere.
-    assert hidden > 2 * replica_total, seen
+    # The engine's TTFT over the burst (and any canary request that came with it: that only adds to it).
+    engine_total = scalar(prom, ttft.format("sum")) - before["ttft_sum"]
+    hidden = sum(client) - engine_total  # TTFT the clients waited and the engine's histogram did not see
+    seen = {"client_mean": sum(client) / len(client), "engine_total": engine_total, "hidden": hidden}
+    # The engine held at most MAX_ONGOING of the burst at a time: most of the clients' wait was elsewhere.
+    assert hidden > 2 * engine_total, seen
 
     # Ray Serve's router histogram accounts for it (Ray exports every second here, so poll): every request
     # records its wait when a replica takes it, re-queued ones again, so the sum covers at least the
@@ -176,19 +250,36 @@ def test_overload_waits_in_the_router_where_only_ray_serve_metrics_see_it(stack)
 
     seen["router_wait_sum"] = wait_for(router_wait, timeout=30, what=f"the router's wait to cover {seen}")
 
-    # What RayLMServeOverloaded evaluates, before its threshold: the router-wait p95 (the recording rule of
-    # alerts.yml, evaluated by this Prometheus) joined to the model through the replica's target labels.
-    joined = (
-        "group by (application, deployment, gen_ai_request_model) (raylm_server_requests_running)"
-        " * on (application, deployment) group_left () raylm:serve_router_wait_seconds:p95_5m"
-    )
-    (series,) = wait_for(lambda: [r for r in query(prom, joined) if float(r["value"][1]) > 0], what="router wait")
-    assert series["metric"] == {
-        "application": "raylm", "deployment": "CompletionServer", "gen_ai_request_model": "tiny-ccnet",
-    }  # fmt: skip
-    seen["router_p95"] = float(series["value"][1])
+    # What RayLMServeOverloaded evaluates, with its 1 s threshold lowered to 0: the router-wait p95s (the
+    # recording rule of alerts.yml, evaluated by this Prometheus), the engine's joined to the model through the
+    # ingress replica's target labels, the proxy's wait for the ingress too.
+    (rule,) = [r for g in yaml.safe_load((DASHBOARDS / "alerts.yml").read_text())["groups"] for r in g["rules"]
+               if r.get("alert") == "RayLMServeOverloaded"]  # fmt: skip
+    assert rule["expr"].count("> 1") == 3, rule["expr"]
+    unthresholded = rule["expr"].replace("> 1", ">= 0")
+
+    def engine_wait() -> dict | None:
+        result = {r["metric"]["deployment"]: r for r in query(prom, unthresholded)}
+        engine = result.get(ENGINE)
+        return result if engine and float(engine["value"][1]) > 0 else None
+
+    result = wait_for(engine_wait, what="the engine's router wait in RayLMServeOverloaded's expression")
+    assert {d: r["metric"] for d, r in result.items()} == {
+        ENGINE: {"application": "raylm", "deployment": ENGINE, "gen_ai_request_model": MODEL},
+        "RayLMIngress": {"application": "raylm", "deployment": "RayLMIngress", "gen_ai_request_model": MODEL},
+    }
+    seen["router_p95"] = float(result[ENGINE]["value"][1])
+
+    # vLLM's scheduler during the burst (gauges, exported only while the engine steps): it ran requests, and
+    # never more than max_ongoing_requests although its batch has max_batch_size (4) slots.
+    running = f'max_over_time(sum(ray_vllm_num_requests_running{{model_name="{MODEL}"}})[2m:1s])'
+    seen["peak_running"] = wait_for(lambda: scalar(prom, running), what="vLLM's running requests")
+    assert 1 <= seen["peak_running"] <= MAX_ONGOING, seen
+    kv = f'max_over_time(max(ray_vllm_kv_cache_usage_perc{{model_name="{MODEL}"}})[2m:1s])'
+    seen["peak_kv_cache"] = wait_for(lambda: scalar(prom, kv), what="vLLM's KV-cache usage")
+    assert 0 < seen["peak_kv_cache"] <= 1, seen
     # The router queue the dashboard shows (a gauge, sampled once per export: its peak depends on timing).
-    queued = 'max_over_time(sum(ray_serve_deployment_queued_queries{deployment="CompletionServer"})[2m:1s])'
+    queued = f'max_over_time(sum(ray_serve_deployment_queued_queries{{deployment="{ENGINE}"}})[2m:1s])'
     seen["peak_queued"] = wait_for(lambda: query(prom, queued), what="the router queue in Prometheus")[0]["value"][1]
     log.info("overload burst: %s", seen)
 
@@ -197,18 +288,26 @@ def test_every_dashboard_panel_query_returns_data(stack) -> None:
     _, prom, _ = stack
     wait_for(lambda: query(prom, "raylm_canary_score"), what="the canary score in Prometheus")
     dashboard = json.loads((DASHBOARDS / "grafana" / "raylm-serving.json").read_text())
-    checked = 0
+    # The model variable's query lists the served model.
+    (model,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    metric, label = model["query"]["query"].removeprefix("label_values(").removesuffix(")").split(", ")
+    assert [r["metric"][label] for r in query(prom, f"group by ({label}) ({metric})")] == [MODEL]
+
+    def expand(expr: str, model: str) -> str:
+        # Grafana's variables, as Grafana would expand them for a 1 s scrape interval and a 10-minute range.
+        return expr.replace("$__rate_interval", "1m").replace("$__range", "10m").replace("$model", model)
+
+    checked = filtered = 0
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            # Grafana's variables, as Grafana would expand them for "All" and a 1 s scrape interval.
-            expr = target["expr"].replace("$__rate_interval", "1m").replace("$model", ".*")
-            result = query(prom, expr)
-            if "raylm_gpu_" in expr:
-                assert result == [], "GPU metrics must be absent on a CPU replica, not zero"
-                continue
-            assert result, f"panel {panel['title']!r}: no data for {expr}"
+            expr = target["expr"]
+            for value in (".*", MODEL):  # "All", and the model picked
+                assert query(prom, expand(expr, value)), f"panel {panel['title']!r}: no data for {expand(expr, value)}"
             checked += 1
-    assert checked >= 20
+            if "$model" in expr:  # and the variable really filters: another model's panel is empty
+                assert query(prom, expand(expr, "other-model")) == [], f"panel {panel['title']!r} ignores $model"
+                filtered += 1
+    assert checked >= 30 and filtered >= 25, (checked, filtered)
 
 
 def test_canary_cli_once_scores_the_live_endpoint(stack, evalset) -> None:
@@ -226,8 +325,9 @@ def test_canary_cli_once_scores_the_live_endpoint(stack, evalset) -> None:
     assert -7 < result["score"] < -3
     status = requests.get(f"{base_url}/v1/canary", timeout=10).json()
     assert status["status"] == "success"
-    # Deterministic scoring: the scheduled canary and the CLI measure the same number.
-    assert status["score"] == pytest.approx(result["score"], abs=1e-6)
+    # Deterministic scoring (no sampling): the scheduled canary and the CLI measure the same number, up to the
+    # engine's float arithmetic in differently composed batches; far below the alert's 0.1 nats/token.
+    assert status["score"] == pytest.approx(result["score"], abs=1e-3)
 
 
 def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, worse_export_dir) -> None:
@@ -236,25 +336,24 @@ def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, wors
     from serve.app import build_app
 
     base_url, prom, args = stack
-    good = load_model_dir(args["model"]).lineage_id
-    bad = load_model_dir(worse_export_dir).lineage_id
+    good = read_export(args["model"]).lineage_id
+    bad = read_export(worse_export_dir).lineage_id
     good_score = wait_for(lambda: scalar(prom, f'raylm_canary_score{{raylm_lineage_id="{good}"}}'), what="good score")
+    assert not [a for a in alerts(prom) if a["labels"]["alertname"].startswith("RayLMCanary")], alerts(prom)
 
-    def alerts() -> list[dict]:
-        return requests.get(f"{prom}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
-
-    assert not [a for a in alerts() if a["labels"]["alertname"].startswith("RayLMCanary")], alerts()
-
-    serve.run(build_app({**args, "model": str(worse_export_dir)}), name="raylm", route_prefix="/")
+    # The same model name (the worse export's directory is also tiny-ccnet): the engine deployment is updated in place.
+    serve.run(build_app(fast_start({**args, "model": str(worse_export_dir)})), name="raylm", route_prefix="/")
     assert requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["lineage_id"] == bad
 
     def firing() -> list[dict]:
         return [
-            a for a in alerts() if a["labels"]["alertname"] == "RayLMCanaryScoreRegression" and a["state"] == "firing"
+            a
+            for a in alerts(prom)
+            if a["labels"]["alertname"] == "RayLMCanaryScoreRegression" and a["state"] == "firing"
         ]
 
     (alert,) = wait_for(firing, timeout=60, what="RayLMCanaryScoreRegression firing")
-    below = [a for a in alerts() if a["labels"]["alertname"] == "RayLMCanaryBelowMinimum"]
+    below = [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMCanaryBelowMinimum"]
     assert [a["labels"]["raylm_lineage_id"] for a in below] == [bad]
     assert alert["labels"]["raylm_lineage_id"] == bad
     assert alert["labels"]["severity"] == "critical"
@@ -262,4 +361,4 @@ def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, wors
     assert bad_score < good_score - 0.5, (good_score, bad_score)
     # The canary dropped the replaced lineage's series instead of leaving them frozen.
     wait_for(lambda: not query(prom, f'raylm_canary_score{{raylm_lineage_id="{good}"}}'), what="old series gone")
-    assert not [a for a in alerts() if a["labels"]["alertname"] == "RayLMCanaryStale"]
+    assert not [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMCanaryStale"]

@@ -109,6 +109,23 @@ def to_gpt2(model: GPT, eot_id: int) -> Any:
     return hf.eval()
 
 
+def document_start_tokenizer(tokenizer_path: Path, eot_id: int) -> Any:
+    """The BPE tokenizer with a post-processor that puts the document-start token before a text.
+
+    The model was trained on documents each preceded by EOT (docs/formats.md), so a prompt is a document start:
+    with EOT before it, its first token is conditioned and scored like every other. ``add_special_tokens=True``
+    (what vLLM and transformers do for a text prompt by default) applies it; ``False`` leaves the text's tokens
+    alone (what lm-evaluation-harness asks for, bringing its own prefix token)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer.post_processor = TemplateProcessing(
+        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B", special_tokens=[(EOT, eot_id)]
+    )
+    return tokenizer
+
+
 @torch.no_grad()
 def max_logit_difference(model: GPT, hf: Any, tokens: torch.Tensor) -> float:
     """max |ours - transformers'| over every position and vocabulary entry of ``tokens`` (B, T)."""
@@ -134,7 +151,7 @@ def export_hf(model: GPT, tokenizer_path: Path, out: Path, probe: torch.Tensor) 
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out), safe_serialization=True)
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tokenizer_path),
+        tokenizer_object=document_start_tokenizer(tokenizer_path, eot_id),
         bos_token=EOT,
         eos_token=EOT,
         unk_token=EOT,  # byte-level BPE never produces an unknown token; GPT-2's tokenizer uses the same choice

@@ -1,0 +1,83 @@
+"""API keys: requests to ``/v1/*`` carry ``Authorization: Bearer KEY`` with a key from the operator's file, or get 401.
+
+The file (``--api-key-file``, or ``api_key_file`` in serve_config.yaml) holds one key per line; blank lines and lines
+starting with ``#`` are skipped. It is read on the driver, and only the keys' sha256 digests go to the replicas, so
+no key appears in the Serve config, the deployment's arguments or the dashboard. A presented key is hashed and
+compared with each digest in constant time (``hmac.compare_digest``). ``/health`` stays open for load balancers,
+and ``/v1/canary`` too: it reports a score, never a completion.
+
+The check is plain ASGI middleware (OpenAI's 401 body, counted by ``serve.accounting``) rather than a FastAPI
+dependency, so it runs before the request body is read or parsed: an unauthenticated client costs no parsing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+from ray import serve
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve.accounting import APIError, error_response
+
+OPEN_PATHS = frozenset({"/health", "/v1/canary"})
+
+
+class ApiKeyError(ValueError):
+    pass
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_key_digests(path: str | Path) -> tuple[str, ...]:
+    """The sha256 of each key in the file; ``ApiKeyError`` naming the file when it cannot be read or holds none."""
+    return tuple(sorted({key_digest(k) for k in read_keys(path)}))
+
+
+def read_keys(path: str | Path) -> list[str]:
+    """The keys in the file, in order; ``ApiKeyError`` naming the file when it cannot be read or holds none."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ApiKeyError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ApiKeyError(f"the API key file {path} holds no key (one per line)")
+    if any(any(c.isspace() for c in key) for key in keys):
+        raise ApiKeyError(f"the API key file {path} has a line with spaces inside a key: one key per line")
+    return keys
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class ApiKeyAuth:
+    """ASGI middleware: 401 for a ``/v1/*`` request without a valid key, when the server has keys."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        digests: tuple[str, ...] = serve.get_replica_context().servable_object.api_key_digests
+        if digests:
+            token = _bearer(scope)
+            presented = key_digest(token) if token else ""
+            # Every digest is compared, so the time taken does not say which key (or how much of one) matched.
+            if not any([hmac.compare_digest(presented, d) for d in digests]):
+                message = "a valid API key is required: send it as 'Authorization: Bearer KEY'"
+                if token is None:
+                    message = "no API key: send one as 'Authorization: Bearer KEY'"
+                await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
