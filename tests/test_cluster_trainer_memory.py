@@ -17,11 +17,11 @@ import os
 
 import pytest
 import torch
+from gloo_ranks import run_gloo_ranks
 from torch import nn
 
 from cluster.model_shape import gpt_block_param_count, gpt_param_count, gpt_param_shapes
 from cluster.trainer_memory import predict_trainer_state_bytes
-from ground.dist import free_port
 from train.config import OptimizerConfig
 from train.memory import state_bytes
 from train.model import GPT, GPTConfig
@@ -99,16 +99,7 @@ def _fsdp_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
 
 def test_fsdp2_prediction_equals_largest_rank_and_is_about_one_over_n() -> None:
     world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    measured = dict(queue.get(timeout=5) for _ in range(world))
+    measured = dict(run_gloo_ranks(_fsdp_worker, world, timeout_s=120))
 
     predicted = predict_trainer_state_bytes(**SHAPE, bias=True, strategy="fsdp", world_size=world)
     single = predict_trainer_state_bytes(**SHAPE, bias=True, strategy="single", world_size=1)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_gloo_ranks
 from torch.distributed.tensor import DTensor
 from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import list_checkpoints, verify
-from ground.dist import free_port
 from train.config import TrainConfig, load_config
 from train.parallel import DistContext
 from train.preflight import check_data
@@ -60,29 +60,20 @@ def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_weights(token_dir: Path, 
 
 
 def run_two_gloo_ranks(worker: Callable[..., None], *args: object) -> list[dict]:
-    """``worker(rank, port, *args, queue)`` in two spawned processes that form a gloo group; returns what each
-    put on the queue, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, *args, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return sorted((queue.get(timeout=5) for _ in range(2)), key=lambda r: r["rank"])
+    """``worker(rank, world, port, *args, queue)`` on two gloo ranks; what each put on the queue, by rank."""
+    return sorted(run_gloo_ranks(worker, 2, *args), key=lambda r: r["rank"])
 
 
-def _fsdp_bf16_worker(rank: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
+def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         overrides = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.precision": "bf16"}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), DistContext(rank, 2, torch.device("cpu")))
+        ctx = DistContext(rank, world, torch.device("cpu"))
+        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         seen = dtypes_seen(trainer)
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
         params = list(trainer.gpt.parameters())
@@ -115,15 +106,16 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
         assert r["losses"] == pytest.approx(expected, rel=1e-2) and r["losses"] != expected
 
 
-def _guard_worker(rank: int, port: int, data: str, out: str, strategy: str, queue: mp.Queue) -> None:
+def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: mp.Queue) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         overrides = {"parallel.strategy": strategy, "parallel.workers": 2, "steps": 5}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), DistContext(rank, 2, torch.device("cpu")))
+        ctx = DistContext(rank, world, torch.device("cpu"))
+        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         if rank == 1:  # one rank's forward blows up at step 2; the other's is healthy
             trainer.gpt.blocks[0].register_forward_hook(
                 lambda module, args, output: output * float("nan") if trainer.step == 2 else output
