@@ -339,3 +339,17 @@ def test_recovery_serve_bench_smoke(tmp_path):
     assert 0 < run["failed_share"] < 1 and 0 < run["chunks_lost"] <= run["chunks_streamed"]
     assert 0 < run["first_token_after_loss_s"] <= run["resumed_s"]
     assert run["node_added_s"] <= run["running_again_s"] and run["node_added_s"] <= run["serving_again_s"]
+
+
+def test_train_gpu_bench_smoke(tmp_path, token_dir):
+    # --smoke: CPU, the tiny preset, eager, 1 timed step per way, deterministic runs of 2 steps (resumed at 1).
+    out = tmp_path / "out"
+    proc = run_script(str(BENCH / "train_gpu_bench.py"), "--smoke", "--data", str(token_dir), "--out", str(out))
+    result = json.loads((out / "train_gpu_bench.json").read_text())
+    assert list(result["ways"]) == ["bare", "single", "fsdp"], proc.stdout
+    assert all(way["tokens_per_s"] > 0 and len(way["rates"]) == 1 for way in result["ways"].values())
+    assert result["matmul_peak_flops"] > 0 and result["datasheet_peak_flops"] is None  # a CPU has no datasheet row
+    det = result["deterministic"]
+    assert det["fresh_runs_bitwise_equal"] and det["resume_bitwise_equal"], det
+    assert len(det["losses"]["resumed"]) == det["steps"] == 2
+    assert "| single | " in proc.stdout and "two fresh runs bitwise equal: True" in proc.stdout

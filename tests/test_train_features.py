@@ -161,7 +161,7 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(tok
         assert torch.equal(value, other), name
 
 
-def test_torch_compile_compiles_each_block_and_keeps_names_and_losses(token_dir: Path, tmp_path: Path) -> None:
+def test_torch_compile_compiles_the_whole_model_and_keeps_names_and_losses(token_dir: Path, tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 
     eager = Trainer(make_config(token_dir, tmp_path / "eager"), CPU)
@@ -170,10 +170,61 @@ def test_torch_compile_compiles_each_block_and_keeps_names_and_losses(token_dir:
     expected = [eager.train_step()["loss"] for _ in range(STEPS)]
     losses = [compiled.train_step()["loss"] for _ in range(STEPS)]
     assert counters["stats"]["unique_graphs"] > graphs_before  # dynamo really captured graphs
-    assert all(block._compiled_call_impl is not None for block in compiled.gpt.blocks)
-    # Compiled in place per block: the state dict (checkpoints, export) keeps the plain names.
+    # single: one graph for the whole model with its loss (embeddings, final LayerNorm, tied projection included)
+    assert compiled.gpt._compiled_call_impl is not None
+    # Compiled in place: the state dict (checkpoints, export) keeps the plain names.
     assert list(compiled.gpt.state_dict()) == list(eager.gpt.state_dict())
     assert losses == pytest.approx(expected, rel=1e-4)
+
+
+def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ctx = DistContext(rank, world, torch.device("cpu"))
+        fsdp = {"parallel.strategy": "fsdp", "parallel.workers": world}
+        eager = Trainer(make_config(Path(data), Path(out) / "eager", **fsdp), ctx)
+        compiled = Trainer(make_config(Path(data), Path(out) / "compiled", **fsdp, **{"parallel.compile": True}), ctx)
+        expected = [eager.train_step()["loss"] for _ in range(STEPS)]
+        losses = [compiled.train_step()["loss"] for _ in range(STEPS)]
+        queue.put(
+            {
+                "rank": rank,
+                "expected": expected,
+                "losses": losses,
+                "graphs": counters["stats"]["unique_graphs"],
+                # Each block's forward is the compiled function; the block's call (with FSDP2's hooks) is not.
+                "forwards_compiled": [hasattr(b.forward, "_torchdynamo_orig_callable") for b in compiled.gpt.blocks],
+                "calls_compiled": [b._compiled_call_impl is not None for b in compiled.gpt.blocks],
+                "sharded": any(isinstance(p, DTensor) for p in compiled.gpt.parameters()),
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_compile_under_fsdp_compiles_each_block_forward_inside_the_hooks(token_dir: Path, tmp_path: Path) -> None:
+    """FSDP2, one gloo rank: each block's forward is compiled, its hooks (all-gather, reshard) are left around the
+    compiled regions, one graph serves every block (no recompiles), and the losses are the eager run's."""
+    (result,) = run_gloo_ranks(_fsdp_compile_worker, 1, str(token_dir), str(tmp_path))
+    assert result["sharded"] and all(result["forwards_compiled"]) and not any(result["calls_compiled"])
+    assert result["graphs"] == 1, result
+    assert result["losses"] == pytest.approx(result["expected"], rel=1e-4)
+
+
+def test_fused_adamw_is_chosen_for_gpus_only_and_matches_the_default(token_dir: Path, tmp_path: Path) -> None:
+    plain = Trainer(make_config(token_dir, tmp_path / "plain"), CPU)
+    fused = Trainer(make_config(token_dir, tmp_path / "fused", **{"optimizer.fused": True}), CPU)
+    assert not plain.optimizer.defaults["fused"]  # None on CPU parameters: PyTorch's default loop, as before
+    assert fused.optimizer.defaults["fused"]
+    expected = [plain.train_step()["loss"] for _ in range(STEPS)]
+    assert [fused.train_step()["loss"] for _ in range(STEPS)] == pytest.approx(expected, rel=1e-5)
+    for (name, value), other in zip(plain.gpt.state_dict().items(), fused.gpt.state_dict().values(), strict=True):
+        assert torch.allclose(value, other, atol=1e-6), name
 
 
 def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path, tmp_path: Path) -> None:

@@ -80,6 +80,9 @@ class OptimizerConfig(_Section):
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    # AdamW's fused kernel (one launch updates every parameter). None: fused where the parameters live on a GPU,
+    # PyTorch's default elsewhere (on CPU a loop over the parameters, as every CPU run so far has used).
+    fused: bool | None = None
 
 
 class ParallelConfig(_Section):
@@ -98,7 +101,14 @@ class ParallelConfig(_Section):
     use_gpu: bool = False
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
+    # torch.compile: the whole model with its loss in one graph for single and DDP; each block's forward for FSDP,
+    # whose per-block all-gather and reshard hooks stay outside the compiled regions (train.parallel.compile_model).
     compile: bool = False
+    # Bitwise-reproducible steps on GPU (as torchtitan's debug.deterministic): deterministic algorithms only,
+    # cuBLAS's fixed workspace, the math attention kernel, Inductor without on-device autotuning. It costs speed
+    # (bench/train_gpu_bench.py measures how much); on CPU the run is already reproducible, and the flag only
+    # enforces it. See train.determinism.
+    deterministic: bool = False
     # Timeout of every collective (Ray Train's TorchConfig.timeout_s, the process group's timeout): a rank
     # that never joins a collective fails its peers after this long instead of holding them forever.
     collective_timeout_s: int = Field(1800, ge=1)

@@ -5,16 +5,14 @@ projection tied to the token embedding. Attention goes through ``F.scaled_dot_pr
 PyTorch picks the fused kernel available on the device (flash / memory-efficient on GPU, a math
 kernel on CPU).
 
-``GPT.forward(idx, targets=None)`` returns ``(logits, loss)``. Inference goes through the same forward:
-given a ``CacheStep`` (where in a ``KVCache`` this pass writes), each attention layer stores its new keys and
-values in the cache and attends over the cached ones, so prefill and incremental decoding (serve/decoding.py)
-run this model's own modules, not a copy of them. Training never passes a cache.
+``GPT.forward(idx, targets=None)`` returns ``(logits, loss)``. Serving does not run this module: the export
+(train/hf_export.py) maps these weights onto GPT-2's layout, which vLLM serves with its own kernels and KV cache.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,81 +41,23 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-class KVCache:
-    """Keys and values of ``n_slots`` sequences for inference: (layers, slots, heads, block_size, head_dim) each.
-
-    Preallocated once (a serving replica's memory: 2 · layers · slots · block_size · n_embd · itemsize); a slot
-    holds one sequence's whole context.
-    """
-
-    def __init__(self, model: GPT, n_slots: int) -> None:
-        cfg = model.config
-        param = model.wte.weight
-        shape = (cfg.n_layer, n_slots, cfg.n_head, cfg.block_size, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        self.v = torch.zeros(shape, dtype=param.dtype, device=param.device)
-        self.n_slots = n_slots
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-@dataclass
-class CacheStep:
-    """Where one cached forward pass reads and writes: batch row b is cache slot ``slots[b]`` and its tokens sit
-    at positions ``positions[b]`` (B, T). Prefill is one row at positions 0..T-1; a decode step is B rows of one
-    token each, at different positions of different slots."""
-
-    cache: KVCache
-    slots: torch.Tensor  # (B,) int64
-    positions: torch.Tensor  # (B, T) int64
-    # (B, 1, T, span): a query sees its own slot's keys up to its own position; the rest of the span belongs to
-    # longer sequences of the batch (or is stale) and is masked.
-    mask: torch.Tensor = field(init=False)
-    # Every row starts at position 0 (a prefill): the pass's own keys are all there is to attend over, so
-    # attention can stay the causal kernel (flash attention on GPU) instead of an explicit mask.
-    from_start: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.from_start = bool((self.positions[:, 0] == 0).all())
-        span = int(self.positions.max()) + 1
-        keys = torch.arange(span, device=self.positions.device)
-        self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]
-
-    def attend_to(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this pass's (B, heads, T, head_dim) keys and values; return the cached ones it attends over."""
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is (B, T, heads, head_dim).
-        self.cache.k[layer, self.slots[:, None], :, self.positions] = k.transpose(1, 2)
-        self.cache.v[layer, self.slots[:, None], :, self.positions] = v.transpose(1, 2)
-        span = self.mask.shape[-1]
-        return self.cache.k[layer, self.slots, :, :span], self.cache.v[layer, self.slots, :, :span]
-
-
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
-        self.layer = layer  # which of a KVCache's layers is this one's
         self.dropout = config.dropout
         # One matmul produces q, k and v for all heads: fewer, larger GEMMs.
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim), the layout scaled_dot_product_attention expects.
         q, k, v = (t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if cache is None:
-            dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:
-            keys, values = cache.attend_to(self.layer, k, v)
-            if cache.from_start:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
         return self.resid_dropout(self.proj(y))
 
@@ -136,15 +76,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -157,7 +97,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         # Recompute each block's activations in backward instead of storing them: set by the trainer,
         # not part of GPTConfig because it changes memory/speed, not the function the model computes.
@@ -185,26 +125,20 @@ class GPT(nn.Module):
         return total - self.wpe.weight.numel() if exclude_position_embeddings else total
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: CacheStep | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx: (B, T) token ids. Returns logits (B, T, vocab) and, given targets, the mean
-        next-token cross-entropy (computed in fp32 even under bf16 autocast / FSDP bf16 params).
-        ``cache``: inference with a KV cache; the tokens sit at ``cache.positions``, not at 0..T-1."""
-        if cache is None:
-            seq = idx.shape[1]
-            if seq > self.config.block_size:
-                raise ValueError(f"sequence length {seq} exceeds block_size {self.config.block_size}")
-            pos = torch.arange(seq, device=idx.device)
-        else:
-            pos = cache.positions
-            if int(pos.max()) >= self.config.block_size:
-                raise ValueError(f"position {int(pos.max())} is beyond block_size {self.config.block_size}")
+        next-token cross-entropy (computed in fp32 even under bf16 autocast / FSDP bf16 params)."""
+        seq = idx.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(seq, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, cache)
+                x = block(x)
         x = self.ln_f(x)
         # Tied output projection: reuse the embedding matrix rather than a separate lm_head module, so
         # the state dict has one tensor for it (safetensors rejects aliased tensors).

@@ -37,6 +37,7 @@ def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
     decay, no_decay = decay_groups(model)
+    fused = config.fused if config.fused is not None else all(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": config.weight_decay},
@@ -45,6 +46,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Ad
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,
+        fused=fused,
     )
 
 

@@ -56,6 +56,24 @@ def apply_strategy(model: GPT, strategy: Strategy, ctx: DistContext, precision: 
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+def compile_model(model: GPT, strategy: Strategy) -> None:
+    """torch.compile ``model`` in place (module names, hence state-dict keys, stay unchanged), before
+    ``apply_strategy``.
+
+    - single and DDP: the whole model, the loss included, is one graph, so Inductor fuses the embeddings, the
+      final LayerNorm, the tied projection and the fp32 cross-entropy too (a per-block compile leaves them eager).
+      Under DDP the gradient all-reduce runs from the autograd hooks DDP installs, outside the graph.
+    - FSDP: each block's ``forward`` alone. ``Module.compile`` would compile the module's call with its hooks,
+      and FSDP2's hooks (all-gather before the block, reshard after it) then break the graph; compiling the
+      forward keeps them outside, between compiled regions.
+    """
+    if strategy == "fsdp":
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    else:
+        model.compile()
+
+
 def unwrap(model: nn.Module) -> GPT:
     return model.module if isinstance(model, DistributedDataParallel) else model  # type: ignore[return-value]
 

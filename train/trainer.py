@@ -38,6 +38,7 @@ from checkpoints.rng import capture_rng, restore_rng, rng_key
 from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
+from train.determinism import make_deterministic
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.memory import local_memory, memory_fields, state_bytes
@@ -49,6 +50,7 @@ from train.parallel import (
     DistContext,
     ReplicaMismatch,
     apply_strategy,
+    compile_model,
     grad_norm,
     gradient_sync,
     holds_replica,
@@ -116,6 +118,8 @@ class Trainer(Stateful):
         self.manifest = self.sources[0].manifest
         cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
 
+        if cfg_par.deterministic:
+            make_deterministic(ctx.device)  # before the model's first kernel
         # Same seed on every rank and for every strategy: all replicas (and all shards of FSDP's one
         # model) start from the same weights as a single-process run.
         torch.manual_seed(cfg_data.seed)
@@ -123,10 +127,7 @@ class Trainer(Stateful):
         self.gpt.activation_checkpointing = cfg_par.activation_checkpointing
         self.flops_per_token = flops_per_token(self.gpt)
         if cfg_par.compile:
-            # Per block, in place: module names (hence state-dict keys) stay unchanged, and FSDP's
-            # per-block hooks stay outside the compiled regions.
-            for block in self.gpt.blocks:
-                block.compile()
+            compile_model(self.gpt, cfg_par.strategy)
         self.model = apply_strategy(self.gpt, cfg_par.strategy, ctx, cfg_par.precision)
         # Built after sharding: FSDP replaces parameters with DTensor shards in place.
         self.params = list(self.model.parameters())
