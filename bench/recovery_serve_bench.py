@@ -41,6 +41,8 @@ pooled over every failed request of every round.
 
     .venv/bin/python bench/recovery_serve_bench.py [--rounds 3] [--replace-after 5] [--settle 3] [--json PATH]
     .venv/bin/python bench/recovery_serve_bench.py --smoke   # 1 round, 1 s settle
+
+The suite runs the smoke's round in tests/test_serve_node_loss.py, on that module's cluster and app.
 """
 
 from __future__ import annotations
@@ -84,8 +86,16 @@ def publish_model(cluster: MultiNodeCluster, work: Path) -> str:
 
 
 def run_round(
-    cluster: MultiNodeCluster, app: ServingApp, args: argparse.Namespace, rng: random.Random
+    cluster: MultiNodeCluster,
+    app: ServingApp,
+    args: argparse.Namespace,
+    rng: random.Random,
+    details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One round; returns its numbers. ``details``, if given, receives what the round saw in-process (the load with
+    every request's outcome, the probes, the nodes, the kill's times, the engine replicas while Serve waited for a
+    node): tests/test_serve_node_loss.py asserts on them, so the suite runs this scenario once for both."""
+    details = {} if details is None else details
     placed = app.wait_ready(SERVE_START_TIMEOUT_S)
     engines = sorted(placed)
 
@@ -103,9 +113,13 @@ def run_round(
         victim, stream_probe, plain_probe = arrange_loss(load, app, engines, args.max_tokens, wait_s=wait_s)
         (survivor,) = [e for e in engines if e != victim]
         victim_node, survivor_node = cluster.worker_on(placed[victim]), cluster.worker_on(placed[survivor])
+        details |= {"load": load, "stream_probe": stream_probe, "plain_probe": plain_probe}
+        details["held"] = app.ongoing(engines)
         lost_at = time.monotonic()
         cluster.lose_node(victim_node)
         declared_dead_at = time.monotonic()
+        details |= {"victim_node": victim_node, "survivor_node": survivor_node}
+        details |= {"lost_at": lost_at, "declared_dead_at": declared_dead_at}
 
         # Until the spot fleet's replacement arrives, note when Serve starts a replacement replica (it waits for a
         # node: a replica takes all of a worker's CPUs, so it cannot join the survivor).
@@ -115,6 +129,7 @@ def run_round(
             states = app.states(app.engine) if serve_replacing_at is None else {}
             if states.get("RUNNING") == 1 and sum(states.values()) >= 2:
                 serve_replacing_at = time.monotonic()
+                details["replicas_while_waiting"] = app.replicas(app.engine)
             time.sleep(0.2)
         replacement_node = cluster.add_worker()
         node_added_at = time.monotonic()
@@ -234,7 +249,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--replace-after", type=float, default=5.0, help="seconds from the kill to the new node (5)")
@@ -246,12 +261,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="for the random wait before each kill (0)")
     parser.add_argument("--smoke", action="store_true", help="smallest setting: 1 round, 1 s settle")
     parser.add_argument("--json", help="also write every round's numbers here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.settle = 1, 1.0
     if args.rounds < 1 or args.stream_clients < 1 or args.plain_clients < 1:
         parser.error("--rounds, --stream-clients and --plain-clients must be >= 1 (the kill waits for both kinds)")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="recovery-serve-bench-") as tmp:
         work = Path(tmp)

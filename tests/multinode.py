@@ -14,8 +14,8 @@
 * Serving on it (the serving node-loss test and bench): ``start_serving`` runs the raylm app from a Serve config, as
   a job, with the ingress pinned to ingress nodes; :class:`Load` sends completions and records what each client saw;
   :func:`arrange_loss` puts a stream and a non-streaming request on one engine replica, exactly, before its node is
-  lost, and :func:`probe_onto` a request on a given engine replica; :class:`ServingApp` reads Serve's state, the
-  replicas' counts of requests in hand, the proxy's log and the metrics.
+  lost; :class:`ServingApp` reads Serve's state, the replicas' counts of requests in hand, the proxy's log and the
+  metrics.
 
 Use :func:`multinode_cluster` as a context manager from a module-scoped fixture::
 
@@ -827,23 +827,3 @@ def arrange_loss(
         if stream_probe.ended is None and plain_probe.ended is None and stream_probe.chunks < max_tokens // 2:
             return placed, stream_probe, plain_probe
     raise AssertionError(f"could not place a stream and a non-streaming request on one engine in {attempts} tries")
-
-
-def probe_onto(load: Load, app: ServingApp, engines: Sequence[str], target: str, attempts: int = 3) -> Request:
-    """A non-streaming request that the engine replica ``target`` serves, known exactly as ``arrange_loss`` knows its
-    probes' engine (the load paused and drained, probes one at a time); the load resumes once it is there."""
-    for _ in range(attempts):
-        load.pause()
-        try:
-            _drain(load, app, engines)
-            held = dict.fromkeys(engines, 0)
-            for _ in range(2 * len(engines)):
-                engine, probe = _probe(load, app, engines, False, held)
-                if engine is None:
-                    break  # start over
-                if engine == target:
-                    return probe
-                held[engine] += 1
-        finally:
-            load.resume()
-    raise AssertionError(f"could not send a request to {target} in {attempts} tries")

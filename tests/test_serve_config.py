@@ -123,7 +123,7 @@ def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
 
 def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
     """build_app's LLMConfig: raylm's settings mapped onto vLLM's and Ray Serve LLM's (no engine is started)."""
-    from serve.app import llm_config
+    from serve.app import ModelDirOnTheNode, llm_config
     from serve.model_dir import ExportInfo
 
     export = ExportInfo("s3://b/models/m", "m", {"train_config": {"model": {"block_size": 128}}}, "0123456789ab", 0)
@@ -143,4 +143,7 @@ def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
     gpu = llm_config(AppArgs(model="m", replica_gpus=2, num_replicas=3, engine_kwargs={"dtype": "bfloat16"}), export)
     assert gpu.engine_kwargs["tensor_parallel_size"] == 2 and gpu.engine_kwargs["dtype"] == "bfloat16"
     assert gpu.placement_group_config["bundles"] == [{"CPU": 1.0, "GPU": 1}, {"GPU": 1}]
+    # A replica on one node: its model directory is made there, so Ray Serve LLM's per-node download step is skipped.
+    assert gpu.placement_group_config["strategy"] == cpu.placement_group_config["strategy"] == "STRICT_PACK"
+    assert gpu.callback_config.callback_class is ModelDirOnTheNode
     assert gpu.deployment_config["num_replicas"] == 3 and "autoscaling_config" not in gpu.deployment_config

@@ -9,19 +9,20 @@ caps, accounting, then a handle call to an engine) pinned to a 0-CPU ingress nod
 engine's node is not also losing the ingress; the one HTTP proxy on the head (0 CPUs, never killed), as clients reach
 a cluster through its head. A node loss is a VM loss: every process of the node SIGKILLed at once.
 
-**An engine's node.** Client threads send completions, streamed and not, with bounded timeouts, and record every
-outcome. The node is killed once its engine replica is known to hold both a stream that has sent its first chunks and
-a non-streaming request (``multinode.arrange_loss``: with the load paused and drained, probes go one at a time, each
-to the engine whose own count of requests in hand rose; the ingress answers for both engines, and the engines' own
-Serve logs end once vLLM starts). Asserted: every request another engine replica served succeeded, before, during
-and after the loss: every request that failed was in flight at the loss, both probes among them, and failed for a
-lost engine replica while the survivor stayed up; each was answered promptly and clearly (no cut connection, no hang:
-every read is bounded), one with nothing sent yet by a 503 and OpenAI's error body (``code: replica_unavailable``), a
-stream cut mid-way by an SSE error event of that code and ``[DONE]`` after its chunks; the ingress counted every
-request exactly once in ``raylm_server_requests_total`` (the lost ones as 503), and the proxy guard counted none (the
-ingress answered); with no node free Serve's replacement waits rather than join the survivor (a replica takes a whole
-worker); once a node is added, Serve starts the replacement there and it serves a request (a probe placed on it); and
-the canary (``python -m serve.canary --once``) then passes.
+**An engine's node.** The scenario is bench/recovery_serve_bench.py's round at ``--smoke`` (so this is that bench's
+smoke test as well; its numbers and table are checked too). Client threads send completions, streamed and not, with
+bounded timeouts, and record every outcome. The node is killed once its engine replica is known to hold both a stream
+that has sent its first chunks and a non-streaming request (``multinode.arrange_loss``: with the load paused and
+drained, probes go one at a time, each to the engine whose own count of requests in hand rose; the ingress answers for
+both engines, and the engines' own Serve logs end once vLLM starts). Asserted: every request another engine replica
+served succeeded, before, during and after the loss: every request that failed was in flight at the loss, both probes
+among them, and failed for a lost engine replica while the survivor stayed up; each was answered promptly and clearly
+(no cut connection, no hang: every read is bounded), one with nothing sent yet by a 503 and OpenAI's error body
+(``code: replica_unavailable``), a stream cut mid-way by an SSE error event of that code and ``[DONE]`` after its
+chunks; the ingress counted every request exactly once in ``raylm_server_requests_total`` (the lost ones as 503), and
+the proxy guard counted none (the ingress answered); with no node free Serve's replacement waits rather than join the
+survivor (a replica takes a whole worker); once a node is added, Serve starts the replacement there and the requests
+in flight when it took its first one all succeed; and the canary (``python -m serve.canary --once``) then passes.
 
 **The ingress's node.** Every request in flight goes through the ingress, so every one of them is lost with it, on
 both engines. Asserted: those and only those failed, with serve/proxy_guard.py's answers from the proxy (a 503 with
@@ -38,7 +39,9 @@ The times (loss to answers, to Serve replacing, to serving again) and the share 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import random
 import subprocess
 import sys
 import time
@@ -54,9 +57,7 @@ from multinode import (
     Load,
     MultiNodeCluster,
     ServingApp,
-    arrange_loss,
     multinode_cluster,
-    probe_onto,
     publish_export,
     python_module,
     start_serving,
@@ -69,11 +70,12 @@ from serve.proxy_guard import CODE, STATUS
 
 pytestmark = pytest.mark.ray
 
+REPO = Path(__file__).resolve().parents[1]
+
 # The untrained 4-layer, 1024-context test model (head size 32, which vLLM's CPU attention has): 600 greedy tokens
 # take seconds even alone on an idle engine, so the probes are still running when their engine's node is killed.
 MAX_TOKENS = 600
 STREAM_CLIENTS, PLAIN_CLIENTS = 2, 3
-REPLACEMENT_TIMEOUT_S = 300  # a replacement vLLM replica on the new node: export fetched and converted, engine up
 
 
 @pytest.fixture(scope="module")
@@ -108,59 +110,48 @@ def counted_since(now: dict[str, float], before: dict[str, float]) -> dict[str, 
     return {k: v - before.get(k, 0.0) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
+def recovery_serve_bench():
+    spec = importlib.util.spec_from_file_location("recovery_serve_bench", REPO / "bench" / "recovery_serve_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_serving_survives_the_loss_of_an_engine_node(
     cluster: MultiNodeCluster, serving: ServingApp, evalset: Path
 ) -> None:
-    placed = serving.wait_ready()
-    engines = sorted(placed)
+    """The scenario is bench/recovery_serve_bench.py's round at ``--smoke`` (this is that bench's smoke test too: a
+    cluster and two engines of its own would cost the suite minutes for the same scenario): the load, an engine's node
+    killed once it holds a stream and a non-streamed request, a replacement node 5 s later, the replacement serving.
+    The bench's numbers and table are checked first, then every request's outcome."""
+    bench = recovery_serve_bench()
+    args = bench.parse_args(["--smoke"])
+    assert (args.stream_clients, args.plain_clients, args.max_tokens) == (STREAM_CLIENTS, PLAIN_CLIENTS, MAX_TOKENS)
+    serving.wait_ready()
     ingress, _ = serving.ingress()
     guard_before = serving.lost_request_counts()
     counted_before = serving.ingress_counts(ingress)
+    seen: dict = {}
+    run = bench.run_round(cluster, serving, args, random.Random(args.seed), details=seen)
 
-    with Load(serving.base, serving.model, STREAM_CLIENTS, PLAIN_CLIENTS, MAX_TOKENS) as load:
-        # Both engine replicas serve the load before anything is lost.
-        wait_for(
-            lambda: sum(o.ok for o in load.snapshot()) >= 2 and all(serving.ongoing(engines).values()),
-            180,
-            "responses, and requests on each engine",
-            0.2,
-        )
-        victim, stream_probe, plain_probe = arrange_loss(load, serving, engines, MAX_TOKENS)
-        (survivor,) = [e for e in engines if e != victim]
-        victim_node, survivor_node = cluster.worker_on(placed[victim]), cluster.worker_on(placed[survivor])
-        held = serving.ongoing(engines)
-        lost_at = time.monotonic()
-        cluster.lose_node(victim_node)
-        declared_dead_at = time.monotonic()
+    # The bench's smoke: its numbers are those of a round that really lost and regained a replica, its table renders.
+    out = bench.table([run], args)
+    assert "### Serving through a lost worker node" in out and "| metric | median (min-max) |" in out, out
+    assert "| 2 replicas serving again (replacement's first request), s | " in out, out
+    assert len({run["victim"], run["survivor"], run["replacement"]}) == 3
+    assert run["probes_lost"] and run["replacement_first_ok"]
+    assert run["requests"] == run["requests_ok"] + run["failed"] and run["failed"] >= 2 and run["unanswered"] == 0
+    assert run["failed"] == run["failed_streams"] + run["failed_plain"]
+    assert run["failed_streams"] >= 1 and run["failed_plain"] >= 1
+    assert len(run["error_latencies_s"]) <= run["failed"] and all(s >= 0 for s in run["error_latencies_s"])
+    assert 0 < run["failed_share"] < 1 and 0 < run["chunks_lost"] <= run["chunks_streamed"]
+    assert 0 < run["first_token_after_loss_s"] <= run["resumed_s"]
+    assert run["node_added_s"] <= run["running_again_s"] and run["node_added_s"] <= run["serving_again_s"]
 
-        # Every request that was in flight at the loss ends (bounded by the client timeouts).
-        wait_for(lambda: all(o.ended for o in load.snapshot() if o.started <= lost_at), 2 * load.timeout[1], "the lost")
-        # Serve starts a replacement, which waits for room: a replica takes all of a worker's CPUs, so it cannot join
-        # the survivor.
-        wait_for(
-            lambda: (s := serving.states(serving.engine)).get("RUNNING") == 1 and sum(s.values()) == 2,
-            60,
-            "Serve to start a replacement",
-            0.2,
-        )
-        noticed_at = time.monotonic()
-        assert serving.replicas(serving.engine) == {survivor: survivor_node.node_id}
-
-        replacement_node = cluster.add_worker()
-        node_added_at = time.monotonic()
-
-        def replaced() -> str | None:
-            now = serving.replicas(serving.engine)
-            new = [r for r, node in now.items() if node == replacement_node.node_id]
-            running = serving.states(serving.engine) == {"RUNNING": 2}
-            return new[0] if new and running and now.get(survivor) == survivor_node.node_id else None
-
-        replacement = wait_for(replaced, REPLACEMENT_TIMEOUT_S, "Serve to start the replacement on the new node", 0.5)
-        running_again_at = time.monotonic()
-        # A request the replacement serves, known exactly (multinode.probe_onto), and its answer.
-        replacement_probe = probe_onto(load, serving, [survivor, replacement], replacement)
-        served = wait_for(lambda: replacement_probe.ended, 2 * load.timeout[1], "the replacement's response", 0.1)
-
+    load, stream_probe, plain_probe = seen["load"], seen["stream_probe"], seen["plain_probe"]
+    lost_at, declared_dead_at = seen["lost_at"], seen["declared_dead_at"]
+    survivor, survivor_node = run["survivor"], seen["survivor_node"]
     assert not load.stuck, load.stuck
     counted = counted_since(serving.ingress_counts(ingress), counted_before)
     outcomes = load.snapshot()
@@ -168,13 +159,16 @@ def test_serving_survives_the_loss_of_an_engine_node(
     lost_streams = [o for o in failed if o.stream]
     lost_plain = [o for o in failed if not o.stream]
 
+    # The replacement waited for room rather than join the survivor (a replica takes all of a worker's CPUs): it runs
+    # on the new node and the survivor on its own (the round's end condition). If Serve had started it before the node
+    # came (within the round's 5 s), only the survivor ran meanwhile.
+    waiting = seen.get("replicas_while_waiting")
+    assert waiting is None or waiting == {survivor: survivor_node.node_id}, waiting
     # Every request another engine served succeeded, before, during and after the loss. What failed was in flight at
     # the loss, both probes placed on the victim among them, and failed because an engine replica was lost (the
-    # error code checked last: the ingress gives it for nothing else) while the survivor stayed up throughout (on its
-    # node, by its name, as replaced() saw it): so on the victim. The probe placed on the replacement succeeded.
+    # error code checked last: the ingress gives it for nothing else) while the survivor stayed up throughout.
     assert {o.replica for o in outcomes if o.replica} == {ingress}  # the one ingress answered them all
     assert {stream_probe.request_id, plain_probe.request_id} <= {o.request_id for o in failed}, failed
-    assert replacement_probe.ok, replacement_probe
     cut = [o for o in failed if o.status == 200]  # streaming when its engine went: its chunks, an error event, [DONE]
     unanswered = [o for o in failed if o.status != 200]  # nothing sent yet: an error body
     for o in failed:
@@ -199,16 +193,11 @@ def test_serving_survives_the_loss_of_an_engine_node(
     result = json.loads(canary.stdout)
     assert result["status"] == "success" and result["items_passed"] == result["items_total"] == 4, result
 
+    print(f"\n{out}", file=sys.stderr)
     print(
-        f"\nengine node loss: {len(failed)}/{len(outcomes)} requests failed ({len(failed) / len(outcomes):.1%}: "
-        f"{len(lost_streams)} streams ({len(cut)} cut mid-stream), {len(lost_plain)} non-streaming; the victim held "
-        f"{held[victim]} and the survivor {held[survivor]} at the loss; answered within "
-        f"{max(o.ended for o in failed) - lost_at:.1f} s of the loss); "
-        f"GCS declared the node dead {declared_dead_at - lost_at:.1f} s after the loss, Serve was replacing the "
-        f"replica by {noticed_at - lost_at:.1f} s; "
-        f"a node was added {node_added_at - lost_at:.1f} s after the loss; 2 replicas running "
-        f"{running_again_at - lost_at:.1f} s after the loss ({running_again_at - node_added_at:.1f} s after the node "
-        f"was added); first response from the replacement {served - lost_at:.1f} s after the loss",
+        f"engine node loss: {len(failed)}/{len(outcomes)} requests failed ({len(lost_streams)} streams "
+        f"({len(cut)} cut mid-stream), {len(lost_plain)} non-streaming); the victim held "
+        f"{seen['held'][run['victim']]} and the survivor {seen['held'][survivor]} at the loss",
         file=sys.stderr,
     )
 

@@ -306,27 +306,29 @@ def complete(base_url: str) -> list[str]:
     return texts
 
 
-def test_serving_from_the_bucket_answers_as_serving_the_local_export(
-    exports: dict, cluster: Cluster, tmp_path: Path
-) -> None:
+def test_serving_from_the_bucket_serves_the_local_runs_bytes(exports: dict, cluster: Cluster, tmp_path: Path) -> None:
+    """One engine, on the export in the bucket: the replica pulls it into its node's cache, and what it pulled is byte
+    for byte the export of the same run on local paths (so it serves what serving that export serves: one vLLM start,
+    not two; only lineage.json differs, naming the run dir), and it answers greedy and seeded completions."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        for name in ("local", "bucket"):
-            args = {"model": str(exports[name]), "num_replicas": 1, "metrics_sd_dir": str(tmp_path / "sd")}
-            serve.run(build_app(fast_start(args)), name=name, route_prefix=f"/{name}")
-        answers = {name: complete(f"http://127.0.0.1:{port}/{name}") for name in ("local", "bucket")}
+        args = {"model": str(exports["bucket"]), "num_replicas": 1, "metrics_sd_dir": str(tmp_path / "sd")}
+        serve.run(build_app(fast_start(args)), name="bucket", route_prefix="/bucket")
+        answers = complete(f"http://127.0.0.1:{port}/bucket")
     finally:
         serve.shutdown()
-    assert answers["bucket"] == answers["local"]
+    assert all(answers), answers
     lineage = Location(exports["bucket"]).join("lineage.json").read_bytes()
     pulled = cluster.cache / "published" / hashlib.sha256(lineage).hexdigest()
-    assert sorted(p.name for p in pulled.iterdir()) == [
-        "config.json",
-        "lineage.json",
-        "model.safetensors",
-        "tokenizer.json",
-    ]
+    names = ["config.json", "lineage.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in pulled.iterdir()) == names
+    local = Path(exports["local"])
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (pulled / name).read_bytes() == (local / name).read_bytes(), name
+    pulled_lineage = json.loads((pulled / "lineage.json").read_text())
+    assert pulled_lineage["files"] == json.loads((local / "lineage.json").read_text())["files"]
+    assert pulled_lineage["run_dir"] == f"s3://{BUCKET}/runs/run"
 
 
 def test_nothing_was_written_in_the_working_directory(runs: Runs, exports: dict, cluster: Cluster) -> None:
