@@ -207,7 +207,7 @@ def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, 
         dist.destroy_process_group()
 
 
-def test_torch_compile_under_fsdp_compiles_each_block_forward_inside_the_hooks(token_dir: Path, tmp_path: Path) -> None:
+def test_torch_compile_under_fsdp_compiles_each_block_forward_between_hooks(token_dir: Path, tmp_path: Path) -> None:
     """FSDP2, one gloo rank: each block's forward is compiled, its hooks (all-gather, reshard) are left around the
     compiled regions, one graph serves every block (no recompiles), and the losses are the eager run's."""
     (result,) = run_gloo_ranks(_fsdp_compile_worker, 1, str(token_dir), str(tmp_path))
