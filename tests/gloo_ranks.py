@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from ground.dist import free_port
+
+
+class FlushedQueue:
+    """What a rank's worker reports through: ``put`` returns once the item is in the pipe.
+
+    A ``multiprocessing.Queue.put`` only hands the item to a feeder thread. A worker that then tears down its
+    process group (``dist.destroy_process_group`` is a C++ call that can block holding the GIL) may never let
+    that thread run, and its result never arrives although the worker finished."""
+
+    def __init__(self, queue: mp.Queue) -> None:
+        self.queue = queue
+
+    def put(self, item: Any) -> None:
+        self.queue.put(item)
+        self.queue.close()
+        self.queue.join_thread()
+
+
+def _rank_main(worker: Callable[..., None], rank: int, world: int, port: int, args: tuple, queue: mp.Queue,
+               dump_after_s: float) -> None:  # fmt: skip
+    # A rank still running near the parent's deadline prints every thread's stack to the test's stderr, so a
+    # hang names where it is instead of only timing out.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False, file=sys.stderr)
+    worker(rank, world, port, *args, FlushedQueue(queue))
 
 
 def run_gloo_ranks(worker: Callable[..., None], world: int, *args: object, timeout_s: float = 300) -> list:
@@ -18,7 +45,10 @@ def run_gloo_ranks(worker: Callable[..., None], world: int, *args: object, timeo
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, world, port, *args, queue)) for rank in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(worker, rank, world, port, args, queue, max(1.0, timeout_s - 15)))
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     try:

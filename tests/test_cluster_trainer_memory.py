@@ -12,12 +12,11 @@ tensor a rank holds:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 import torch
-from gloo_ranks import run_gloo_ranks
+from gloo_ranks import FlushedQueue, run_gloo_ranks
 from torch import nn
 
 from cluster.model_shape import gpt_block_param_count, gpt_param_count, gpt_param_shapes
@@ -82,7 +81,7 @@ def test_single_and_ddp_match_measured_bytes_exactly(strategy: str, bias: bool) 
     assert predicted == 16 * n_params + 4 * len(list(gpt.parameters()))
 
 
-def _fsdp_worker(rank: int, world: int, port: int, queue: mp.Queue) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, queue: FlushedQueue) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

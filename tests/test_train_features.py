@@ -5,14 +5,13 @@ see train/README.md, "Tested and untested"."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import run_gloo_ranks
+from gloo_ranks import FlushedQueue, run_gloo_ranks
 from torch.distributed.tensor import DTensor
 from train_fixtures import tiny_overrides
 
@@ -64,7 +63,7 @@ def run_two_gloo_ranks(worker: Callable[..., None], *args: object) -> list[dict]
     return sorted(run_gloo_ranks(worker, 2, *args), key=lambda r: r["rank"])
 
 
-def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
+def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -106,7 +105,7 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
         assert r["losses"] == pytest.approx(expected, rel=1e-2) and r["losses"] != expected
 
 
-def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: mp.Queue) -> None:
+def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: FlushedQueue) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -177,7 +176,7 @@ def test_torch_compile_compiles_the_whole_model_and_keeps_names_and_losses(token
     assert losses == pytest.approx(expected, rel=1e-4)
 
 
-def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, queue: mp.Queue) -> None:
+def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
