@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the floors (pyproject.toml, [tool.importlinter])
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: where the suite's time goes, in every CI log
 
 # The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
 test-fast: $(STAMP)

@@ -1,15 +1,18 @@
 """python -m serve --model DIR|URI [--port 8000]: serve an export on vLLM through Ray Serve LLM (and the canary).
 
-Runs on a local Ray by default, or on a cluster with ``--address auto`` / ``RAY_ADDRESS``; blocks until
-Ctrl-C, then shuts Serve down. The same application deploys from a config file with
-``serve run serve/serve_config.yaml`` (or ``serve deploy`` to a running cluster).
+Runs on a local Ray by default, or on a cluster with ``--address auto`` / ``RAY_ADDRESS``; serves until SIGTERM or
+SIGINT (Ctrl-C), then drains (serve/drain.py: the requests in flight finish, up to ``--shutdown-timeout``; new ones get
+503), shuts Serve down and exits 0. A second signal during the drain stops at once. The same application deploys from
+a config file with ``serve run serve/serve_config.yaml`` (or ``serve deploy`` to a running cluster).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -28,8 +31,12 @@ from serve.config import (
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_SD_DIR,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
     AppArgs,
 )
+
+log = logging.getLogger("serve")
+APP_NAME = "raylm"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,6 +133,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--smoke-prompt", default="The history of the", help="prompt for the --smoke completion")
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long the requests in flight get to finish before the open ones are cut (with an "
+        "error event); /health and new requests answer 503 meanwhile. 0: cut them at once (default: %(default)s)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -171,6 +186,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
             canary_endpoint=f"http://127.0.0.1:{args.port}",
             canary_min_score=args.canary_min_score,
         )
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     apply_overrides(out, parse_set(args.set))
     build(AppArgs, out, "serve arguments")  # fail here, naming the key, rather than in build_app on Ray
     return out
@@ -188,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from serve.api_keys import ApiKeyError, read_keys
-    from serve.app import build_app
     from serve.model_dir import ModelDirError, check_cpu_attention, read_export
 
     try:  # fail here, with a clear message, rather than in a replica's log
@@ -200,6 +216,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray.init(address=args.address)
+    stop_on_signals()  # after ray.init, which installs its own handler (SIGTERM would abort with a stack dump)
+    from serve.drain import drain, remove_control
+
+    try:
+        try:
+            return serve_until_stopped(args, built, api_key)
+        except StopServing as stop:
+            log.info("%s: draining for up to %.0f s", stop.signal_name, args.shutdown_timeout)
+            log.info("%s", drain(APP_NAME, args.shutdown_timeout).line())
+            return 0
+    except KeyboardInterrupt:  # a second signal during the drain
+        log.warning("second signal: stopping without waiting for the requests in flight")
+        return 0
+    finally:
+        serve.shutdown()
+        remove_control(APP_NAME)
+        ray.shutdown()
+
+
+def serve_until_stopped(args: argparse.Namespace, built: dict[str, Any], api_key: str | None) -> int:
+    """Deploy, print where it serves (and run the smoke), then serve until a signal raises ``StopServing``."""
+    from ray import serve
+
+    from serve.app import build_app
     from serve.proxy_guard import controller_env
 
     serve.start(
@@ -209,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         # (and counts) a request whose replica was lost mid-request, rather than a bare 500 or a cut stream.
         controller_options={"runtime_env": {"env_vars": controller_env()}},
     )
-    serve.run(build_app(built), name="raylm", route_prefix="/")
+    serve.run(build_app(built), name=APP_NAME, route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(
         json.dumps(
@@ -228,17 +268,34 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{args.port}"
         run_smoke(base, args.smoke_prompt, 48, args.canary_evalset, args.metrics_sd_dir, api_key=api_key)
         if not sys.stdin.isatty():
-            serve.shutdown()
             return 0
         print("serving; Ctrl-C to stop", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.shutdown()
-    return 0
+    while True:
+        time.sleep(3600)
+
+
+class StopServing(BaseException):
+    """The first SIGTERM or SIGINT, raised where the main thread is. A BaseException, like KeyboardInterrupt: no
+    ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise ``StopServing`` (drain, then stop); a second one ``KeyboardInterrupt`` (stop now)."""
+    stopping = False
+
+    def handle(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            raise KeyboardInterrupt
+        stopping = True
+        raise StopServing(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handle)
 
 
 if __name__ == "__main__":

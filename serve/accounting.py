@@ -46,9 +46,11 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers
         self.message = message
         self.type = type
         self.param = param
@@ -69,7 +71,7 @@ REPLICA_HEADER = b"x-raylm-replica"
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -28,12 +28,13 @@ Deploy with ``python -m serve --model DIR`` or ``serve run serve/serve_config.ya
 # request bodies) at runtime, and Serve's class-based view cannot resolve them as strings.
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,7 @@ from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionReq
 from serve.accounting import APIError, Outcome, RequestAccounting, install_error_handlers, request_outcome
 from serve.api_keys import ApiKeyAuth, key_digest, read_key_digests
 from serve.config import DEFAULT_AUTOSCALING, DEFAULT_MAX_ONGOING_REQUESTS, AppArgs, chat_template_jinja
+from serve.drain import RETRY_AFTER_S, ReplicaDrain, ShutdownCut
 from serve.metrics import ServeMetrics
 from serve.model_dir import ExportInfo, check_cpu_attention, hf_model_dir, read_export
 
@@ -106,9 +108,13 @@ class RayLMIngress(OpenAiIngress):
         self.args, self.export, self.api_key_digests, self.canary = args, export, api_key_digests, canary
         self.engine = llm_deployments[export.name]
         try:
-            self.replica = serve.get_replica_context().replica_id.to_full_id_str()
-        except Exception:  # constructed outside a replica (in-process use)
-            self.replica = f"local-{os.getpid()}"
+            context = serve.get_replica_context()
+            self.replica, app = context.replica_id.to_full_id_str(), context.app_name
+        except Exception:  # constructed outside a replica (in-process use): no app to drain
+            self.replica, app = f"local-{os.getpid()}", None
+        self.drain = ReplicaDrain(app or "", self.replica)
+        if app is not None:
+            self.drain.start_watching()  # Serve runs the constructor on the replica's event loop
         self.metrics = ServeMetrics(
             export.name,
             export.lineage_id,
@@ -126,6 +132,9 @@ class RayLMIngress(OpenAiIngress):
         """200 once an engine replica answers its own health check (a load balancer then routes here), 503 while
         none does: the engine is still starting (vLLM takes a minute on a CPU), or every replica is down."""
         body = {"model": self.export.name, "lineage_id": self.export.lineage_id}
+        if self.drain.draining:
+            reason = "the server is shutting down: finishing the requests in flight, taking no new ones"
+            return JSONResponse({"status": "draining", "reason": reason, **body}, status_code=503)
         try:
             await asyncio.wait_for(self.engine.check_health.remote(), ENGINE_HEALTH_TIMEOUT_S)
         except Exception as exc:  # no replica within the timeout, or the engine said it is unhealthy
@@ -155,9 +164,7 @@ class RayLMIngress(OpenAiIngress):
             prompts = [prompts]
         self._check_choices(len(prompts), body.n or 1)
         self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
-        with engine_loss_as_503():
-            response = await super().completions(body, request)
-        return self._counted(response, request_outcome(request), arrival)
+        return await self._engine_call(functools.partial(super().completions, body, request), request, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -166,17 +173,39 @@ class RayLMIngress(OpenAiIngress):
         self._check_chars(sum(_content_chars(m.get("content")) for m in body.messages), "messages")
         own = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         body.stop = [*own, *(s for s in self.args.chat_stop if s not in own)]
-        with engine_loss_as_503():
-            response = await super().chat(body, request)
-        return self._counted(response, request_outcome(request), arrival)
+        return await self._engine_call(functools.partial(super().chat, body, request), request, arrival)
 
     # ---- helpers -----------------------------------------------------------------------------------------
+
+    async def _engine_call(self, work: Callable[[], Awaitable[Response]], request: Request, arrival: float) -> Response:
+        """The engine's answer to a request that passed the caps: refused while draining, counted in flight until its
+        response (or its stream) ends, and cut if the drain's deadline comes first."""
+        if not self.drain.admit():
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests; retry (another replica, or this address once "
+                "it is back)",
+                type="server_error",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        try:
+            with engine_loss_as_503():
+                response = await self.drain.until_cut(work())
+        except ShutdownCut:
+            self.drain.finish(cut=True)
+            raise shutdown_cut() from None
+        except BaseException:
+            self.drain.finish()
+            raise
+        return self._counted(response, request_outcome(request), arrival)
 
     def _counted(self, response: Response, outcome: Outcome, arrival: float) -> Response:
         """Record how the request ended (for the accounting's count) and its latency, as the client sees them."""
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._watch_stream(response.body_iterator, outcome, arrival)
             return response
+        self.drain.finish()
         if response.status_code == 200:
             outcome.finish_reason = "length" if b'"finish_reason":"length"' in response.body else "stop"
             self.metrics.observe_duration(time.monotonic() - arrival)
@@ -185,17 +214,20 @@ class RayLMIngress(OpenAiIngress):
     async def _watch_stream(self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float) -> AsyncIterator[str]:
         """The engine's SSE chunks, passed on untouched; on the way: the finish reason, and an error the engine
         reported after the 200 went out (counted as the 500 it is). An engine that fails mid-stream (its replica
-        died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut.
-        Latency per token is the engine's own metric."""
+        died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut; so
+        does a stream still open when a drain's deadline passes. Latency per token is the engine's own metric."""
+        cut = False
         try:
-            async for chunk in chunks:
+            async for chunk in self.drain.chunks_until_cut(chunks):
                 if '"finish_reason":"length"' in chunk:
                     outcome.finish_reason = "length"
                 if 'data: {"error"' in chunk or '"object":"error"' in chunk:
                     outcome.status, outcome.finish_reason = 500, "error"
                 yield chunk
         except Exception as exc:  # not CancelledError: a client that leaves is counted as such by the accounting
-            if isinstance(exc, RayActorError):
+            if isinstance(exc, ShutdownCut):
+                cut, error = True, shutdown_cut()
+            elif isinstance(exc, RayActorError):
                 log.warning("the engine replica of a stream was lost: %s", exc)
                 error = replica_lost()
             else:
@@ -204,6 +236,8 @@ class RayLMIngress(OpenAiIngress):
             outcome.status, outcome.finish_reason = error.status_code, "error"
             yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
             return
+        finally:
+            self.drain.finish(cut=cut)
         if outcome.status is None:
             outcome.finish_reason = outcome.finish_reason or "stop"
             self.metrics.observe_duration(time.monotonic() - arrival)
@@ -251,8 +285,10 @@ class RayLMIngress(OpenAiIngress):
             )
 
     async def __del__(self) -> None:
-        # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica.
+        # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica, and stop
+        # being one the drain waits for.
         self.metrics.close()
+        self.drain.close()
 
 
 # An engine replica lost while it held a request (its process or node died): the answer serve/proxy_guard.py gives
@@ -264,6 +300,16 @@ def replica_lost() -> APIError:
         "request did not complete and can be retried",
         type="server_error",
         code="replica_unavailable",
+    )
+
+
+def shutdown_cut() -> APIError:
+    """A request still in flight when the drain's deadline passed (``python -m serve --shutdown-timeout``)."""
+    return APIError(
+        503,
+        "the server shut down before this request finished (its shutdown timeout passed); it can be retried",
+        type="server_error",
+        code="server_shutting_down",
     )
 
 

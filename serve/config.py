@@ -27,6 +27,9 @@ DEFAULT_CPU_KV_CACHE_GIB = 1
 # this many, requests wait in Serve's router, where the overload alert watches them and autoscaling counts them.
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_CANARY_INTERVAL_S = 300.0  # seconds between canary runs over the eval set
+# On SIGTERM, requests in flight get this long to finish (serve/drain.py): Ray Serve's own graceful_shutdown_timeout_s,
+# and inside Kubernetes' default 30 s grace period, which also covers stopping Serve and Ray afterwards.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 # Request caps, checked before any work is done for a request (see serve/README.md, "Caps").
 # The body cap is read from Content-Length before the body is read, then enforced on the bytes read; 2 MiB
 # holds any prompt under the character cap however it is JSON-escaped (at most 6 bytes per character).

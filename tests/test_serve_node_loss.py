@@ -153,8 +153,15 @@ def test_serving_survives_the_loss_of_an_engine_node(
     lost_at, declared_dead_at = seen["lost_at"], seen["declared_dead_at"]
     survivor, survivor_node = run["survivor"], seen["survivor_node"]
     assert not load.stuck, load.stuck
-    counted = counted_since(serving.ingress_counts(ingress), counted_before)
     outcomes = load.snapshot()
+
+    # A client can read a stream's [DONE] a moment before the ingress has ended the response and counted it: wait for
+    # the count to settle (each request adds exactly one; more than that fails below).
+    def settled() -> dict[str, float] | None:
+        counts = counted_since(serving.ingress_counts(ingress), counted_before)
+        return counts if sum(counts.values()) >= len(outcomes) else None
+
+    counted = wait_for(settled, 10, "the ingress's count of the round's requests")
     failed = [o for o in outcomes if not o.ok]
     lost_streams = [o for o in failed if o.stream]
     lost_plain = [o for o in failed if not o.stream]

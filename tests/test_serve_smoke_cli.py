@@ -1,17 +1,25 @@
-"""``python -m serve --smoke``, run as the README's demo runs it (a subprocess, its own local Ray): one streamed
-completion, one canary run, where to look; then it shuts down by itself, leaving no Ray or vLLM process behind."""
+"""``python -m serve --smoke``, run as the README's demo runs it in a terminal (a subprocess with a tty for stdin, its
+own local Ray): one streamed completion, one canary run, where to look; then it keeps serving until SIGTERM, drains the
+streams in flight, and exits 0, leaving no Ray or vLLM process behind."""
 
+import os
+import pty
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import requests
 from conftest import REPO
-from serve_fixtures import split_documents
+from serve_fixtures import split_documents, sse_events
 
 from ground.dist import free_port
 from serve.evalset import build_evalset
@@ -35,7 +43,26 @@ def vllm_processes() -> set[int]:
     return found
 
 
-def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look(tiny_export: Path, tmp_path: Path) -> None:
+def lines_of(stream, into: queue.Queue) -> None:
+    for line in stream:
+        into.put(line)
+    into.put(None)
+
+
+def stream_completion(base: str, first_chunk: threading.Event) -> list:
+    body = {"prompt": "The library", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    events = []
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=120) as resp:
+        assert resp.status_code == 200, resp.text
+        for event in sse_events(resp.iter_lines()):
+            events.append(event)
+            first_chunk.set()
+    return events
+
+
+def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look_then_drains_on_sigterm(
+    tiny_export: Path, tmp_path: Path
+) -> None:
     data = tmp_path / "pipeline-out"
     (data / "documents").mkdir(parents=True)
     _, held_out = split_documents()
@@ -45,14 +72,44 @@ def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look(tiny_exp
     sd_dir = tmp_path / "sd"
     port = free_port()
     before, engines_before = ray_processes(), vllm_processes()
-    proc = subprocess.run(
+    terminal, tty = pty.openpty()  # a terminal on stdin: after the smoke it keeps serving, as in the README's demo
+    proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "--model", str(tiny_export), "--port", str(port), "--canary-evalset",
          str(evalset), "--canary-interval", "60", "--metrics-sd-dir", str(sd_dir), "--smoke",
-         "--smoke-prompt", "The library", "--enforce-eager"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+         "--smoke-prompt", "The library", "--enforce-eager", "--shutdown-timeout", "60"],
+        cwd=REPO, stdin=tty, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
+    os.close(tty)
+    stdout: queue.Queue = queue.Queue()
+    stderr: list[str] = []
+    threading.Thread(target=lines_of, args=(proc.stdout, stdout), daemon=True).start()
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    try:
+        printed = []
+        while (line := stdout.get(timeout=300)) is not None and line != "serving; Ctrl-C to stop\n":
+            printed.append(line)
+        assert line is not None, "".join(stderr)[-4000:]
+        # Two streams in flight, then SIGTERM: both run to their end, and the server exits 0 by itself.
+        base = f"http://127.0.0.1:{port}"
+        started = [threading.Event(), threading.Event()]
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream_completion, base, event) for event in started]
+            assert all(event.wait(60) for event in started)
+            proc.send_signal(signal.SIGTERM)
+            for stream in streams:
+                events = stream.result(timeout=120)
+                assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+                assert events[-2]["choices"][0]["finish_reason"] == "length", events
+        assert proc.wait(timeout=120) == 0, "".join(stderr)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(terminal)
+    log = "".join(stderr)
+    assert "SIGTERM: draining for up to 60 s" in log, log[-4000:]
+    assert re.search(r"drained [0-2], aborted 0, in \d+\.\d s", log), log[-4000:]
+    assert "SIGTERM received" not in log and "*** " not in log, log[-4000:]  # Ray's abort handler did not run
+    out = "".join(printed)
     assert "--- streamed completion for 'The library' ---\nThe library" in out, out
     # The canary ran and scored every item, against the lineage it read from the endpoint.
     assert re.search(r"canary \S+: score -?\d+\.\d{3} nats/token \(4/4 items, lineage [0-9a-f]{12}\)", out), out

@@ -1,0 +1,252 @@
+"""Draining a serving app before it stops: no request in flight is dropped by a SIGTERM, a restart or a scale-down.
+
+``python -m serve`` calls :func:`drain` when it gets SIGTERM or SIGINT (what Kubernetes, systemd and a rolling update
+send); then it shuts Serve and its Ray down and exits 0. While an app drains:
+
+- ``/health`` answers 503 (``"status": "draining"``) at once, so a load balancer stops routing to it;
+- a new completion or chat request gets 503 with ``Retry-After``, code ``server_shutting_down``;
+- every request already in flight, streams included, runs to its end, up to the shutdown timeout;
+- at the deadline, a stream still open ends with OpenAI's SSE error event and ``[DONE]`` (a request that had not
+  answered yet gets the 503), and the replica logs why. Never a silent cut.
+
+Ray Serve has no app-wide "stop taking requests but finish these" switch: deleting an app removes its routes at once
+(a new request gets a 404, not a retryable 503), and its graceful shutdown kills a replica's streams at the timeout
+without a word to their clients. So the state lives in one small actor per app, :class:`DrainControl` (named
+``drain:<app>`` in the ``raylm`` namespace, made by whichever side asks first). Each ingress replica registers with
+it, holds a long-poll call that returns the moment a drain starts and another that returns at the cut, and reports
+its counts as its requests finish; the driver reads the reports to know when nothing is left in flight. No polling
+while serving: the two calls each replica holds are idle until the driver speaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import ray
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+NAMESPACE = "raylm"
+RETRY_AFTER_S = 1  # a draining server does not come back: the client should retry at once, on another one
+REPORT_GRACE_S = 5.0  # after the cut, how long the driver waits for every replica to report its streams ended
+
+
+def control_name(app: str) -> str:
+    return f"drain:{app}"
+
+
+@ray.remote(num_cpus=0)
+class DrainControl:
+    """One app's drain state: whether it drains, whether the deadline has passed, and what each ingress replica
+    reported (requests in flight, drained, aborted, rejected). Async actor: a replica's waits cost nothing."""
+
+    def __init__(self) -> None:
+        self._draining = asyncio.Event()
+        self._cut = asyncio.Event()
+        self._reports: dict[str, tuple[int, dict[str, int]]] = {}
+
+    async def register(self, replica: str) -> None:
+        self._reports.setdefault(replica, (-1, {"in_flight": 0, "drained": 0, "aborted": 0, "rejected": 0}))
+
+    async def deregister(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+
+    async def wait_draining(self) -> None:
+        await self._draining.wait()
+
+    async def wait_cut(self) -> None:
+        await self._cut.wait()
+
+    async def start(self) -> None:
+        self._draining.set()
+
+    async def cut(self) -> None:
+        self._cut.set()
+
+    async def report(self, replica: str, seq: int, counts: dict[str, int]) -> None:
+        # A replica's reports are sent in order, but an async actor may run two of them out of order: keep the newest.
+        if seq > self._reports.get(replica, (-1, {}))[0]:
+            self._reports[replica] = (seq, counts)
+
+    async def reports(self) -> dict[str, dict[str, int]]:
+        """Each registered replica's newest counts; ``in_flight`` is -1 until it has answered the drain (a replica
+        reports once it sees the drain begin, so until then the driver cannot know what it holds)."""
+        return {replica: counts if seq >= 0 else {**counts, "in_flight": -1} for replica, (seq, counts) in
+                self._reports.items()}  # fmt: skip
+
+
+def get_control(app: str) -> Any:
+    """The app's ``DrainControl`` handle, made if no one has yet. Detached: it belongs to the app, not to whichever
+    process asked first (a replica may start before the driver asks); :func:`drain`'s caller removes it."""
+    return DrainControl.options(
+        name=control_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()
+
+
+@dataclass
+class DrainResult:
+    drained: int  # requests in flight when the drain began that finished by themselves
+    aborted: int  # requests cut at the deadline
+    rejected: int  # new requests answered 503 while draining
+    seconds: float
+    replicas: int
+    unreported: int  # replicas that never said they were done (lost, or hung past the cut's grace)
+
+    def line(self) -> str:
+        text = f"drained {self.drained}, aborted {self.aborted}, in {self.seconds:.1f} s"
+        extra = [f"{self.rejected} new request(s) refused with 503"] if self.rejected else []
+        if self.unreported:
+            extra.append(f"{self.unreported} of {self.replicas} ingress replica(s) did not report")
+        return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def drain(app: str, timeout_s: float, poll_s: float = 0.1) -> DrainResult:
+    """Drain ``app`` (see the module's docstring): returns once no ingress replica has a request in flight, or the
+    deadline has passed and the open ones were cut. Does not stop Serve; the caller does, then kills the control."""
+    if timeout_s < 0:
+        raise ValueError(f"shutdown timeout must be >= 0 seconds, got {timeout_s}")
+    control = get_control(app)
+    started = time.monotonic()
+    ray.get(control.start.remote())
+    deadline = started + timeout_s
+    cut = False
+    while True:
+        reports = ray.get(control.reports.remote())
+        busy = sum(1 for counts in reports.values() if counts["in_flight"] != 0)
+        if not busy:
+            break
+        now = time.monotonic()
+        if not cut and now >= deadline:
+            log.warning("shutdown timeout (%.1f s) reached with requests in flight on %d replica(s): cutting them",
+                        timeout_s, busy)  # fmt: skip
+            ray.get(control.cut.remote())
+            cut = True
+        if cut and now >= deadline + REPORT_GRACE_S:
+            break
+        time.sleep(poll_s)
+    reports = ray.get(control.reports.remote())
+    totals = {key: sum(counts[key] for counts in reports.values()) for key in ("drained", "aborted", "rejected")}
+    unreported = sum(1 for counts in reports.values() if counts["in_flight"] != 0)
+    return DrainResult(seconds=time.monotonic() - started, replicas=len(reports), unreported=unreported, **totals)
+
+
+def remove_control(app: str) -> None:
+    with contextlib.suppress(ValueError):  # never made: nothing to remove
+        ray.kill(ray.get_actor(control_name(app), namespace=NAMESPACE))
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel ``task`` and wait until it has ended (a generator's ``__anext__`` must be over before its ``aclose``)."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: an error it raised on the way out is not logged as never retrieved
+
+
+class ShutdownCut(Exception):
+    """The drain's deadline passed while this request was still being served."""
+
+
+class ReplicaDrain:
+    """An ingress replica's side of the drain: whether it drains, its requests in flight, and its counts.
+
+    ``admit()`` before a request's work (raises what the caller turns into a 503 once draining), ``finish(cut)``
+    when it ends; ``until_cut(aw)`` and ``chunks_until_cut(it)`` race the request's work with the deadline."""
+
+    def __init__(self, app: str, replica: str) -> None:
+        self.app, self.replica = app, replica
+        self.draining = False
+        self.in_flight = 0
+        self.counts = {"drained": 0, "aborted": 0, "rejected": 0}
+        self._cut = asyncio.Event()
+        self._seq = 0  # the control keeps the newest of this replica's reports; its first is the drain's answer
+        self._control: Any = None
+        self._tasks: list[asyncio.Task] = []
+
+    def start_watching(self) -> None:
+        """Begin following the app's drain; call on the replica's event loop (its constructor runs there)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch()))
+
+    async def _watch(self) -> None:
+        try:
+            self._control = get_control(self.app)
+            await self._control.register.remote(self.replica)
+            await self._control.wait_draining.remote()
+            self.draining = True
+            log.warning("draining: /health answers 503, new requests 503; %d request(s) in flight", self.in_flight)
+            self._report()
+            await self._control.wait_cut.remote()
+            if self.in_flight:
+                log.warning("shutdown timeout: cutting %d request(s) still in flight", self.in_flight)
+            self._cut.set()
+        except Exception as exc:  # the control is gone (its cluster is going): serving goes on as it was
+            log.warning("drain control of app %r unavailable: %r", self.app, exc)
+
+    def admit(self) -> bool:
+        """Count a new request in; False (and counted as rejected) while draining."""
+        if self.draining:
+            self.counts["rejected"] += 1
+            self._report()
+            return False
+        self.in_flight += 1
+        return True
+
+    def finish(self, cut: bool = False) -> None:
+        self.in_flight -= 1
+        if self.draining:
+            self.counts["aborted" if cut else "drained"] += 1
+            self._report()
+
+    async def until_cut(self, work: Awaitable[T]) -> T:
+        """``await work``, unless the deadline comes first: then it is cancelled and ``ShutdownCut`` raised."""
+        task = asyncio.ensure_future(work)
+        cut = asyncio.ensure_future(self._cut.wait())
+        try:
+            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request was cancelled (its client left): so is its work, as without the race
+            await _cancel(task)
+            raise
+        finally:
+            cut.cancel()
+        if not task.done():
+            await _cancel(task)
+            raise ShutdownCut
+        return task.result()
+
+    async def chunks_until_cut(self, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
+        """The chunks of a stream until it ends, or until the deadline (then the engine's generator is closed, which
+        aborts its request, and ``ShutdownCut`` raised)."""
+        iterator = aiter(chunks)
+        try:
+            while True:
+                try:
+                    chunk = await self.until_cut(anext(iterator))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def close(self) -> None:
+        """The replica is stopping (Serve's graceful shutdown, a scale-down): the drain stops waiting for it."""
+        for task in self._tasks:
+            task.cancel()
+        if self._control is not None:
+            self._control.deregister.remote(self.replica)
+
+    def _report(self) -> None:
+        if self._control is None:
+            return
+        self._seq += 1
+        self._control.report.remote(self.replica, self._seq, {"in_flight": self.in_flight, **self.counts})

@@ -1,0 +1,119 @@
+"""Draining (serve/drain.py) on the real app: vLLM through Ray Serve LLM under raylm's ingress, on a local Ray.
+
+The engine is wrapped so that a stream holds after its first chunk until the test lets it go (a file appears), which
+makes "in flight when the drain begins" an event the test controls rather than a race with the clock. Three streams
+are open when ``drain()`` starts: two the test then lets finish, one it never does, which the deadline must cut.
+``python -m serve`` itself (the signal, the exit code, no processes left) is tested in test_serve_smoke_cli.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from serve_fixtures import one_replica_args, running_app, sse_events
+
+from serve.app import ExportServer, RayLMIngress, compose_app
+from serve.drain import RETRY_AFTER_S, drain, remove_control
+
+pytestmark = pytest.mark.ray
+
+RELEASED_SEED, HELD_SEED = 101, 202  # streams the test lets finish, and the one it never does
+TIMEOUT_S = 10.0  # the drain's deadline: far longer than the test's checks between drain start and release
+
+
+def build_gated(gate: Path):
+    """build_app's application with the engine holding each seeded stream after its first chunk until ``gate`` /
+    ``<seed>`` exists. Defined inside the builder: cloudpickle sends local classes by value."""
+    import asyncio
+
+    class GatedEngine(ExportServer):
+        async def completions(self, request, raw_request_info=None):
+            stream = await super().completions(request, raw_request_info)
+            if request.seed not in (RELEASED_SEED, HELD_SEED):
+                return stream
+
+            async def held():
+                first = True
+                async for item in stream:
+                    yield item
+                    while first and not (gate / str(request.seed)).exists():
+                        await asyncio.sleep(0.05)
+                    first = False
+
+            return held()
+
+    def build(args: dict):
+        return compose_app(args, GatedEngine, RayLMIngress)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def gated_app(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    gate = tmp_path_factory.mktemp("gate")
+    args = one_replica_args(tiny_export, tmp_path_factory.mktemp("sd"))
+    with running_app(args, build=build_gated(gate)) as base:
+        try:
+            yield base, gate
+        finally:
+            remove_control("raylm")
+
+
+def open_stream(base: str, seed: int, first_chunk: threading.Event) -> list:
+    """A streamed completion; sets ``first_chunk`` once its first event is in, returns every event."""
+    body = {"prompt": "The library", "max_tokens": 8, "stream": True, "seed": seed, "ignore_eos": True}
+    events = []
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=120) as resp:
+        assert resp.status_code == 200, resp.text
+        for event in sse_events(resp.iter_lines()):
+            events.append(event)
+            first_chunk.set()
+    return events
+
+
+def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_deadline(gated_app) -> None:
+    base, gate = gated_app
+    seeds = (RELEASED_SEED, RELEASED_SEED, HELD_SEED)
+    started = [threading.Event() for _ in seeds]
+    with ThreadPoolExecutor(len(seeds) + 1) as pool:
+        streams = [pool.submit(open_stream, base, seed, event) for seed, event in zip(seeds, started, strict=True)]
+        for event in started:
+            assert event.wait(60), "a stream never sent its first chunk"
+        assert requests.get(f"{base}/health", timeout=30).status_code == 200  # serving, three streams held
+        drained = pool.submit(drain, "raylm", TIMEOUT_S)
+
+        # While draining: /health says so at once (a load balancer stops routing), a new request gets 503 + Retry-After.
+        health = None
+        for _ in range(100):
+            health = requests.get(f"{base}/health", timeout=30)
+            if health.status_code == 503:
+                break
+            threading.Event().wait(0.05)
+        assert health is not None and health.status_code == 503 and health.json()["status"] == "draining"
+        refused = requests.post(f"{base}/v1/completions", json={"prompt": "The library", "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["Retry-After"] == str(RETRY_AFTER_S)
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert not drained.done()  # three requests are still in flight
+
+        (gate / str(RELEASED_SEED)).touch()  # the two released streams run to their end
+        for stream in streams[:2]:
+            events = stream.result(timeout=60)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+            assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) >= 1
+            assert events[-2]["choices"][0]["finish_reason"] == "length"  # every token of max_tokens came
+        assert not drained.done()  # the held one is still in flight until the deadline
+
+        held = streams[2].result(timeout=TIMEOUT_S + 60)  # cut at the deadline: an error event, then [DONE]
+        assert held[-1] == "[DONE]", held
+        error = held[-2]["error"]
+        assert error["code"] == "server_shutting_down" and "shutdown timeout" in error["message"], held
+        result = drained.result(timeout=60)
+    assert (result.drained, result.aborted, result.rejected) == (2, 1, 1), result
+    assert result.seconds >= TIMEOUT_S and result.unreported == 0 and result.replicas == 1
+    assert result.line().startswith("drained 2, aborted 1, in ")
