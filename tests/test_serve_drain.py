@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 import requests
-from serve_fixtures import one_replica_args, running_app, sse_events
+from serve_fixtures import one_replica_args, running_app
 
 from serve.app import ExportServer, RayLMIngress, compose_app
 from serve.drain import RETRY_AFTER_S, drain, remove_control
@@ -64,24 +65,37 @@ def gated_app(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             remove_control("raylm")
 
 
-def open_stream(base: str, seed: int, first_chunk: threading.Event) -> list:
-    """A streamed completion; sets ``first_chunk`` once its first event is in, returns every event."""
-    body = {"prompt": "The library", "max_tokens": 8, "stream": True, "seed": seed, "ignore_eos": True}
-    events = []
-    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=120) as resp:
-        assert resp.status_code == 200, resp.text
-        for event in sse_events(resp.iter_lines()):
-            events.append(event)
+def sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def open_stream(base: str, model: str, seed: int, first_chunk: threading.Event) -> tuple[list, Exception | None]:
+    """A streamed completion through the openai SDK; sets ``first_chunk`` once its first chunk is in. Returns the
+    chunks and the error the SDK raised (an SSE error event), if any."""
+    chunks: list = []
+    try:
+        stream = sdk(base).completions.create(
+            model=model, prompt="The library", max_tokens=8, stream=True, seed=seed, extra_body={"ignore_eos": True}
+        )
+        for chunk in stream:
+            chunks.append(chunk)
             first_chunk.set()
-    return events
+    except openai.APIError as exc:
+        return chunks, exc
+    return chunks, None
 
 
-def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_deadline(gated_app) -> None:
+def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_deadline(
+    gated_app, tiny_export: Path
+) -> None:
     base, gate = gated_app
+    model = tiny_export.name
     seeds = (RELEASED_SEED, RELEASED_SEED, HELD_SEED)
     started = [threading.Event() for _ in seeds]
     with ThreadPoolExecutor(len(seeds) + 1) as pool:
-        streams = [pool.submit(open_stream, base, seed, event) for seed, event in zip(seeds, started, strict=True)]
+        streams = [
+            pool.submit(open_stream, base, model, seed, event) for seed, event in zip(seeds, started, strict=True)
+        ]
         for event in started:
             assert event.wait(60), "a stream never sent its first chunk"
         assert requests.get(f"{base}/health", timeout=30).status_code == 200  # serving, three streams held
@@ -95,24 +109,22 @@ def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_d
                 break
             threading.Event().wait(0.05)
         assert health is not None and health.status_code == 503 and health.json()["status"] == "draining"
-        refused = requests.post(f"{base}/v1/completions", json={"prompt": "The library", "max_tokens": 4}, timeout=30)
-        assert refused.status_code == 503, refused.text
-        assert refused.headers["Retry-After"] == str(RETRY_AFTER_S)
-        assert refused.json()["error"]["code"] == "server_shutting_down"
+        with pytest.raises(openai.InternalServerError) as refused:
+            sdk(base).completions.create(model=model, prompt="The library", max_tokens=4)
+        assert refused.value.status_code == 503 and refused.value.code == "server_shutting_down"
+        assert refused.value.response.headers["Retry-After"] == str(RETRY_AFTER_S)
         assert not drained.done()  # three requests are still in flight
 
         (gate / str(RELEASED_SEED)).touch()  # the two released streams run to their end
         for stream in streams[:2]:
-            events = stream.result(timeout=60)
-            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
-            assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) >= 1
-            assert events[-2]["choices"][0]["finish_reason"] == "length"  # every token of max_tokens came
+            chunks, error = stream.result(timeout=60)
+            assert error is None and chunks[-1].choices[0].finish_reason == "length", (chunks, error)  # all 8 tokens
         assert not drained.done()  # the held one is still in flight until the deadline
 
-        held = streams[2].result(timeout=TIMEOUT_S + 60)  # cut at the deadline: an error event, then [DONE]
-        assert held[-1] == "[DONE]", held
-        error = held[-2]["error"]
-        assert error["code"] == "server_shutting_down" and "shutdown timeout" in error["message"], held
+        # Cut at the deadline: the SDK reads the stream's error event and raises it (not a hang, not a silent end).
+        chunks, error = streams[2].result(timeout=TIMEOUT_S + 60)
+        assert len(chunks) >= 1 and isinstance(error, openai.APIError), (chunks, error)
+        assert error.code == "server_shutting_down" and "shutdown timeout" in error.message, error
         result = drained.result(timeout=60)
     assert (result.drained, result.aborted, result.rejected) == (2, 1, 1), result
     assert result.seconds >= TIMEOUT_S and result.unreported == 0 and result.replicas == 1
