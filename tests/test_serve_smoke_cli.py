@@ -27,20 +27,19 @@ from serve.evalset import build_evalset
 pytestmark = pytest.mark.ray
 
 
-def ray_processes() -> set[int]:
-    """This machine's Ray daemons (a raylet or GCS server)."""
-    names = ("raylet", "gcs_server")
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in names}
+def process_tree(pid: int) -> list[psutil.Process]:
+    return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
 
 
-def vllm_processes() -> set[int]:
-    """This machine's vLLM engine processes (vLLM names its engine core process VLLM::EngineCore)."""
-    found = set()
-    for p in psutil.process_iter(["name", "cmdline"]):
-        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
-        if "EngineCore" in text:
-            found.add(p.pid)
-    return found
+def still_running(processes: list[psutil.Process]) -> list[str]:
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{p.pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 def lines_of(stream, into: queue.Queue) -> None:
@@ -73,7 +72,6 @@ def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look_then_dra
     build_evalset(data, evalset, items=4, max_chars=250)  # each item fits the tiny model's 128-token context
     sd_dir = tmp_path / "sd"
     port = free_port()
-    before, engines_before = ray_processes(), vllm_processes()
     terminal, tty = pty.openpty()  # a terminal on stdin: after the smoke it keeps serving, as in the README's demo
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve", "--model", str(tiny_export), "--port", str(port), "--canary-evalset",
@@ -91,6 +89,10 @@ def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look_then_dra
         while (line := stdout.get(timeout=300)) is not None and line != "serving; Ctrl-C to stop\n":
             printed.append(line)
         assert line is not None, "".join(stderr)[-4000:]
+        # Everything it started: its local Ray's daemons and workers, the replicas, vLLM's engine core.
+        tree = process_tree(proc.pid)
+        names = " ".join(" ".join([p.name(), *p.cmdline()]) for p in tree)
+        assert "raylet" in names and "gcs_server" in names and "EngineCore" in names, names
         # Two streams in flight, then SIGTERM: both run to their end, and the server exits 0 by itself.
         base = f"http://127.0.0.1:{port}"
         started = [threading.Event(), threading.Event()]
@@ -117,5 +119,4 @@ def test_serve_smoke_prints_the_completion_the_canary_and_where_to_look_then_dra
     assert f"endpoint:   http://127.0.0.1:{port}/v1/completions" in out, out
     assert out.count("metrics:    http://") >= 1, out  # the replica's scrape endpoint, from its file_sd file
     assert "dashboard:  " in out and "raylm-serving.json" in out and "prometheus: prometheus --config.file=" in out
-    assert ray_processes() <= before  # its own local Ray went with it
-    assert vllm_processes() <= engines_before  # and so did its vLLM engine
+    assert still_running(tree) == []  # its own local Ray went with it, and so did its vLLM engine
