@@ -72,6 +72,8 @@ def test_dashboard_is_provisionable_json_with_the_required_panels() -> None:
         "ray_serve_http_request_latency_ms_bucket",
         "ray_serve_deployment_queued_queries",
         'group by (application) (raylm_server_requests_total{gen_ai_request_model=~"$model"})',
+        # Requests whose ingress replica was lost, answered and counted by the proxy guard.
+        "ray_raylm_proxy_replica_lost_requests_total",
     ):
         assert needle in exprs, needle
     for gone in ("gen_ai_server_time_to_first_token", "gen_ai_server_time_per_output_token", "raylm_server_queue_time",
