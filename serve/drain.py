@@ -37,6 +37,7 @@ T = TypeVar("T")
 NAMESPACE = "raylm"
 RETRY_AFTER_S = 1  # a draining server does not come back: the client should retry at once, on another one
 REPORT_GRACE_S = 5.0  # after the cut, how long the driver waits for every replica to report its streams ended
+PROGRESS_EVERY_S = 5.0  # how often a long drain logs what it still waits for
 
 
 def control_name(app: str) -> str:
@@ -118,12 +119,18 @@ def drain(app: str, timeout_s: float, poll_s: float = 0.1) -> DrainResult:
     ray.get(control.start.remote())
     deadline = started + timeout_s
     cut = False
+    next_progress = started + PROGRESS_EVERY_S
     while True:
         reports = ray.get(control.reports.remote())
         busy = sum(1 for counts in reports.values() if counts["in_flight"] != 0)
         if not busy:
             break
         now = time.monotonic()
+        if now >= next_progress and not cut:
+            in_flight = sum(max(0, counts["in_flight"]) for counts in reports.values())
+            log.info("draining: %d request(s) in flight on %d of %d ingress replica(s), %.0f s to the deadline",
+                     in_flight, busy, len(reports), deadline - now)  # fmt: skip
+            next_progress = now + PROGRESS_EVERY_S
         if not cut and now >= deadline:
             log.warning("shutdown timeout (%.1f s) reached with requests in flight on %d replica(s): cutting them",
                         timeout_s, busy)  # fmt: skip

@@ -49,6 +49,9 @@ def head(tmp_path_factory):
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
+            # The job agent listens here; Ray's fixed default (52365) may belong to another Ray on this machine, and
+            # then no agent ever takes a job ("No available agent to submit job": 30 tries in one CI run).
+            f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
         ],
