@@ -158,6 +158,20 @@ async def _cancel(task: asyncio.Future) -> None:
         task.exception()  # retrieved: an error it raised on the way out is not logged as never retrieved
 
 
+async def _before(cut: asyncio.Future, work: Awaitable[T]) -> T:
+    """``await work``, unless ``cut`` completes first: then the work is cancelled and ``ShutdownCut`` raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request was cancelled (its client left): so is its work, as without the race
+        await _cancel(task)
+        raise
+    if not task.done():
+        await _cancel(task)
+        raise ShutdownCut
+    return task.result()
+
+
 class ShutdownCut(Exception):
     """The drain's deadline passed while this request was still being served."""
 
@@ -165,8 +179,8 @@ class ShutdownCut(Exception):
 class ReplicaDrain:
     """An ingress replica's side of the drain: whether it drains, its requests in flight, and its counts.
 
-    ``admit()`` before a request's work (raises what the caller turns into a 503 once draining), ``finish(cut)``
-    when it ends; ``until_cut(aw)`` and ``chunks_until_cut(it)`` race the request's work with the deadline."""
+    ``admit()`` before a request's work (False once draining: the caller answers 503), ``finish(cut)`` when it
+    ends; ``until_cut(aw)`` and ``chunks_until_cut(it)`` race the request's work with the deadline."""
 
     def __init__(self, app: str, replica: str) -> None:
         self.app, self.replica = app, replica
@@ -176,11 +190,11 @@ class ReplicaDrain:
         self._cut = asyncio.Event()
         self._seq = 0  # the control keeps the newest of this replica's reports; its first is the drain's answer
         self._control: Any = None
-        self._tasks: list[asyncio.Task] = []
+        self._watcher: asyncio.Task | None = None
 
     def start_watching(self) -> None:
         """Begin following the app's drain; call on the replica's event loop (its constructor runs there)."""
-        self._tasks.append(asyncio.get_running_loop().create_task(self._watch()))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
         try:
@@ -214,32 +228,26 @@ class ReplicaDrain:
 
     async def until_cut(self, work: Awaitable[T]) -> T:
         """``await work``, unless the deadline comes first: then it is cancelled and ``ShutdownCut`` raised."""
-        task = asyncio.ensure_future(work)
         cut = asyncio.ensure_future(self._cut.wait())
         try:
-            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this request was cancelled (its client left): so is its work, as without the race
-            await _cancel(task)
-            raise
+            return await _before(cut, work)
         finally:
             cut.cancel()
-        if not task.done():
-            await _cancel(task)
-            raise ShutdownCut
-        return task.result()
 
     async def chunks_until_cut(self, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
         """The chunks of a stream until it ends, or until the deadline (then the engine's generator is closed, which
         aborts its request, and ``ShutdownCut`` raised)."""
         iterator = aiter(chunks)
+        cut = asyncio.ensure_future(self._cut.wait())  # one waiter for the whole stream, not one per chunk
         try:
             while True:
                 try:
-                    chunk = await self.until_cut(anext(iterator))
+                    chunk = await _before(cut, anext(iterator))
                 except StopAsyncIteration:
                     return
                 yield chunk
         finally:
+            cut.cancel()
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
@@ -247,8 +255,8 @@ class ReplicaDrain:
 
     def close(self) -> None:
         """The replica is stopping (Serve's graceful shutdown, a scale-down): the drain stops waiting for it."""
-        for task in self._tasks:
-            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._control is not None:
             self._control.deregister.remote(self.replica)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from multinode import wait_for
 from serve_fixtures import one_replica_args, running_app
 
 from serve.app import ExportServer, RayLMIngress, compose_app
@@ -102,13 +103,11 @@ def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_d
         drained = pool.submit(drain, "raylm", TIMEOUT_S)
 
         # While draining: /health says so at once (a load balancer stops routing), a new request gets 503 + Retry-After.
-        health = None
-        for _ in range(100):
+        def draining_health() -> dict | None:  # the body of a 503 (a Response is falsy when not ok)
             health = requests.get(f"{base}/health", timeout=30)
-            if health.status_code == 503:
-                break
-            threading.Event().wait(0.05)
-        assert health is not None and health.status_code == 503 and health.json()["status"] == "draining"
+            return health.json() if health.status_code == 503 else None
+
+        assert wait_for(draining_health, 30, "/health to answer 503")["status"] == "draining"
         with pytest.raises(openai.InternalServerError) as refused:
             sdk(base).completions.create(model=model, prompt="The library", max_tokens=4)
         assert refused.value.status_code == 503 and refused.value.code == "server_shutting_down"

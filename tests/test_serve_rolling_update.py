@@ -11,7 +11,6 @@ new one. A load balancer's view is counted too: ``/health``, polled throughout, 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -72,9 +71,6 @@ class Load:
         with self.lock:
             return len(self.outcomes)
 
-    def until(self, check: Callable[[], bool], what: str) -> None:
-        wait_for(check, 300, what)
-
 
 def test_a_new_export_replaces_the_old_one_under_load_without_a_failed_request(
     tiny_export: Path, worse_export_dir: Path, tmp_path: Path
@@ -89,11 +85,11 @@ def test_a_new_export_replaces_the_old_one_under_load_without_a_failed_request(
         for thread in load.threads:
             thread.start()
         try:
-            load.until(lambda: load.count() >= CLIENTS, "the load's first requests")
+            wait_for(lambda: load.count() >= CLIENTS, 300, "the load's first requests")
             serve.run(build_app(fast_start(new)), name="raylm", route_prefix="/")  # returns once the update is done
             new_lineage = wait_for(lambda: (lin := lineage(base)) != old_lineage and lin, 60, "the new lineage")
             served_after = load.count()
-            load.until(lambda: load.count() >= served_after + CLIENTS, "requests served by the new replicas")
+            wait_for(lambda: load.count() >= served_after + CLIENTS, 300, "requests served by the new replicas")
         finally:
             load.stop.set()
             for thread in load.threads:
