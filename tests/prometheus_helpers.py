@@ -83,7 +83,7 @@ def running_prometheus(
         sd["refresh_interval"] = "1s"
         jobs.append(job)
     config["scrape_configs"] = jobs
-    extra = ["--rules.alert.resend-delay=1s"] if alertmanager else []
+    extra = ["--web.enable-lifecycle", *(["--rules.alert.resend-delay=1s"] if alertmanager else [])]
     with _running("prometheus", config, workdir, f"--storage.tsdb.path={workdir / 'tsdb'}", *extra) as url:
         yield url
 

@@ -10,6 +10,7 @@ training_alerts_test.yml test those with promtool).
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,7 @@ from prometheus_helpers import (
     wait_for,
 )
 
-# (alert name, labels) of the test rules. Sources of inhibition come first: Prometheus sends each rule's alerts
-# right after evaluating it, and although group_wait covers the gap, there is no reason to widen it.
+# (alert name, labels) of the test rules. The first three are the sources of inhibition, loaded first.
 FIRING: list[tuple[str, dict[str, str]]] = [
     ("RayLMServeOverloaded", {"severity": "warning", "gen_ai_request_model": "m"}),
     ("RayLMCanaryStale", {"severity": "warning", "eval_set": "val@1"}),
@@ -76,46 +76,48 @@ def test_install_script_is_idempotent_when_binaries_exist() -> None:
 
 
 def test_firing_alerts_reach_the_webhook_and_inhibited_ones_do_not(tmp_path: Path) -> None:
-    rules = {
-        "groups": [
-            {
-                "name": "alertmanager-e2e",
-                "rules": [
-                    {"alert": name, "expr": "vector(1)", "labels": labels, "annotations": {"summary": f"test {name}"}}
-                    for name, labels in FIRING
-                ],
-            }
-        ]
-    }
     rule_file = tmp_path / "e2e_rules.yml"
-    rule_file.write_text(yaml.safe_dump(rules))
+    _write_rules(rule_file, FIRING[:3])
     with WebhookReceiver() as webhook:
         config = yaml.safe_load((DASHBOARDS / "alertmanager.yml").read_text())
         for receiver in config["receivers"]:
             for hook in receiver["webhook_configs"]:
                 hook["url"] = hook["url"].replace("http://127.0.0.1:9095", webhook.url)
-        # The shipped 30 s group_wait would be most of this test's run time; routing, grouping and inhibition
-        # are what is under test. Inhibition needs the sources to reach Alertmanager before the targets' group is
-        # flushed, and Prometheus sends each rule's alerts separately: on a loaded machine they arrived more than
-        # 1 s apart (an inhibited alert was delivered), so the wait leaves them 5 s.
-        config["route"]["group_wait"] = "5s"
+        # The shipped 30 s group_wait gives the causes time to reach Alertmanager before their symptoms' groups
+        # are flushed; here the causes are loaded first and are known to be there (below), so the wait only
+        # delays delivery.
+        config["route"]["group_wait"] = "1s"
         (tmp_path / "am").mkdir()
         (tmp_path / "prom").mkdir()
         with (
             running_alertmanager(config, tmp_path / "am") as am,
             running_prometheus(
                 tmp_path / "sd", tmp_path / "prom", rule_files=[str(rule_file)], alertmanager=am.removeprefix("http://")
-            ),
+            ) as prom,
         ):
+
+            def holding(alerts: list[tuple[str, dict[str, str]]]) -> Callable[[], list[dict] | None]:
+                """A wait_for predicate: Alertmanager's alerts once they include all of ``alerts``."""
+
+                def check() -> list[dict] | None:
+                    status = requests.get(f"{am}/api/v2/alerts", timeout=10).json()
+                    return status if _subjects(status) >= _subjects_of(alerts) else None
+
+                return check
+
+            # Two phases, so that inhibition does not depend on timing: Prometheus sends each rule's alerts
+            # separately, and on a loaded machine a symptom reached Alertmanager seconds before its cause.
+            wait_for(holding(FIRING[:3]), timeout=30, what="the sources of inhibition in Alertmanager")
+            _write_rules(rule_file, FIRING)
+            assert requests.post(f"{prom}/-/reload", timeout=30).status_code == 200
 
             def delivered() -> list[tuple[str, dict]] | None:
                 got = webhook.alerts()
                 return got if len(got) >= len(DELIVERED) else None
 
             got = wait_for(delivered, timeout=30, what=f"{len(DELIVERED)} alerts at the webhook")
-            # Every alert's group has been flushed by now (one group_wait after the first evaluation); an
-            # inhibited alert would have been sent with them. Alertmanager's API says why it was not.
-            status = requests.get(f"{am}/api/v2/alerts", timeout=10).json()
+            # Alertmanager's API says which alerts it holds back and why.
+            status = wait_for(holding(FIRING), timeout=30, what="every alert in Alertmanager")
 
     sent = sorted((alert["labels"]["alertname"], path, _subject(alert["labels"])) for path, alert in got)
     expected = sorted(
@@ -141,6 +143,23 @@ def test_firing_alerts_reach_the_webhook_and_inhibited_ones_do_not(tmp_path: Pat
     for name, labels in DELIVERED:
         alert = by_subject[(name, _subject({"alertname": name, **labels}))]
         assert alert["status"]["state"] == "active", alert
+
+
+def _write_rules(path: Path, alerts: list[tuple[str, dict[str, str]]]) -> None:
+    rules = [
+        {"alert": name, "expr": "vector(1)", "labels": labels, "annotations": {"summary": f"test {name}"}}
+        for name, labels in alerts
+    ]
+    path.write_text(yaml.safe_dump({"groups": [{"name": "alertmanager-e2e", "rules": rules}]}))
+
+
+def _subjects(status: list[dict]) -> set[tuple[str, str]]:
+    """(alert name, subject) of the alerts Alertmanager's /api/v2/alerts lists."""
+    return {(a["labels"]["alertname"], _subject(a["labels"])) for a in status}
+
+
+def _subjects_of(alerts: list[tuple[str, dict[str, str]]]) -> set[tuple[str, str]]:
+    return {(name, _subject({"alertname": name, **labels})) for name, labels in alerts}
 
 
 def _subject(labels: dict[str, str]) -> str:
