@@ -38,13 +38,11 @@ from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_to
 from pipeline.output import pack_shard, plan_shards, write_empty_rejected
 from pipeline.progress import PassProgress
 from pipeline.report import KeptTokenStats, StageAccounting, print_summary, render_markdown, stage_rows
-from pipeline.sources import InputFile, list_inputs
+from pipeline.run_inputs import RunInputs, gather_inputs
+from pipeline.sources import InputFile
 from pipeline.staging import RunPaths, RunStaging
-from pipeline.steps.decontaminate import build_index
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
-from pipeline.steps.quality_classifier import describe_model
 from pipeline.steps.tokenize import load_tokenizer, token_dtype, tokenizer_from_json
-from pipeline.steps.url_filter import load_blocklist
 
 log = logging.getLogger("pipeline")
 
@@ -91,6 +89,9 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 class PipelineRun:
+    """One run of the pipeline into ``output``. ``prepared``: the inputs a caller already gathered
+    (``pipeline.run_inputs.gather_inputs``), for instance to key the output by their identity."""
+
     def __init__(
         self,
         inputs: str | None,
@@ -102,30 +103,24 @@ class PipelineRun:
         input_list: str | None = None,
         base_url: str | None = None,
         resume: bool = False,
+        prepared: RunInputs | None = None,
     ) -> None:
         self.config = config
-        self.files: list[InputFile] = list_inputs(inputs, input_list, base_url, config.input.retry)
+        # The inputs and resource files, listed and hashed once here in the driver, before Ray starts (a missing file
+        # fails fast, naming it); the blocklist and n-gram index reach the workers through the object store.
+        gathered = prepared or gather_inputs(inputs, config, input_list=input_list, base_url=base_url)
+        self.files: list[InputFile] = gathered.files
         try:
             self.output = Location(output)
         except StorageError as err:
             raise PipelineOutputError(str(err)) from err
         self.console = console or Console(stderr=True)
         self.pass_seconds: dict[str, float] = {}
-        # Built once per run, here in the driver before Ray starts (a missing file fails fast, naming it), and
-        # shared with the workers through the object store (see _run_into).
-        url = config.url_filter
-        self.blocklist = load_blocklist(url.blocklist) if url.enabled and url.blocklist else None
-        self.contamination = build_index(config.decontamination)
-        # Hashed once here; the workers load the model by path and check this hash on their one load.
-        self.classifier = describe_model(config.classifier.model) if config.classifier.active else None
+        self.blocklist = gathered.blocklist
+        self.contamination = gathered.contamination
+        self.classifier = gathered.classifier
         # The files' hashes join the config in the resume check: the same path with new content is another run.
-        self.resources = {
-            "url_blocklist": self.blocklist.describe() if self.blocklist else None,
-            # Keyed by name, so a changed file is named in the resume error ("eval_sets.gsm8k.sha256: …").
-            "eval_sets": {e["name"]: e for e in self.contamination.describe()} if self.contamination else {},
-            # A retrained model at the same path is another run: --resume refuses it, naming the sha256.
-            "quality_classifier": self.classifier,
-        }
+        self.resources = gathered.resources
         # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
         self.staging = RunStaging(
             self.output,

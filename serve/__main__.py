@@ -40,6 +40,10 @@ APP_NAME = "raylm"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m serve", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", required=True, help="export dir (python -m train.export --output): a path, or a URI "
@@ -148,7 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override any build_app argument (serve/config.py: AppArgs), applied after the flags, e.g. "
         "--set autoscaling_config.max_replicas=4 (repeatable)",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelDirError, ApiKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ray.init(address=args.address)
+    started_ray = not ray.is_initialized()  # python -m cluster.run serves on the Ray it already started
+    if started_ray:
+        ray.init(address=args.address)
     stop_on_signals()  # after ray.init, which installs its own handler (SIGTERM would abort with a stack dump)
     from serve.drain import drain, remove_control
 
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         remove_control(APP_NAME)
-        ray.shutdown()
+        if started_ray:
+            ray.shutdown()
 
 
 def serve_until_stopped(args: argparse.Namespace, built: dict[str, Any], api_key: str | None) -> int:

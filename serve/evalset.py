@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from ground.storage import Location
 
 
 class EvalSetError(ValueError):
@@ -74,7 +77,7 @@ def version_of(texts: list[str]) -> str:
 
 
 def build_evalset(
-    data_dir: str | Path,
+    data_dir: str | Path | Location,
     output: str | Path,
     name: str = "val-loglik",
     items: int = 16,
@@ -83,14 +86,18 @@ def build_evalset(
     max_tokens: int | None = None,
 ) -> EvalSet:
     """The first ``items`` val documents of ``min_chars``+ characters, cut to ``max_chars`` (and, given
-    ``max_tokens``, to that many tokens of the data dir's tokenizer), written to ``output`` as JSONL."""
-    count_tokens = _token_counter(data_dir) if max_tokens is not None else None
-    files = sorted((Path(data_dir) / "documents").glob("val-*.parquet"))
+    ``max_tokens``, to that many tokens of the data dir's tokenizer), written to ``output`` as JSONL. The data dir is
+    a path or an object-storage URI; ``output`` is a local file."""
+    root = Location(data_dir)
+    count_tokens = _token_counter(root.uri) if max_tokens is not None else None
+    files = [f for f in root.files() if re.fullmatch(r"documents/val-[^/]*\.parquet", f)]
     if not files:
-        raise EvalSetError(f"{data_dir}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
+        raise EvalSetError(f"{root}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
     picked: list[tuple[str, str]] = []
-    for path in files:
-        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    for file in files:
+        path = Path(file)
+        with root.join(file).open_input() as stream:
+            texts = pq.read_table(stream, columns=["text"]).column("text").to_pylist()
         for row, text in enumerate(texts):
             if text and len(text.strip()) >= min_chars:
                 cut = _truncate(text.strip(), max_chars)
@@ -102,14 +109,14 @@ def build_evalset(
         if len(picked) == items:
             break
     if not picked:
-        raise EvalSetError(f"no val document in {data_dir} has {min_chars}+ characters")
+        raise EvalSetError(f"no val document in {root} has {min_chars}+ characters")
     version = version_of([t for _, t in picked])
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
         for item_id, text in picked:
             line = {"eval_set": name, "version": version, "id": item_id, "kind": "loglik", "text": text}
-            line["source"] = str(Path(data_dir).resolve())
+            line["source"] = root.uri
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")
     return EvalSet(name, version, tuple(EvalItem(i, t) for i, t in picked))
 

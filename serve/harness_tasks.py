@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from ground.storage import Location
 from serve.evalset import EvalSetError, build_evalset
 
 PPL_TASK = "raylm_val_ppl"
@@ -66,7 +67,9 @@ def task_yaml(name: str, data_file: Path, **fields: object) -> dict:
     }
 
 
-def build_tasks(data_dir: str | Path, output: str | Path, items: int = 16, max_tokens: int | None = None) -> Path:
+def build_tasks(
+    data_dir: str | Path | Location, output: str | Path, items: int = 16, max_tokens: int | None = None
+) -> Path:
     """Write both tasks' YAML and jsonl into ``output``, plus the canary eval set of the same items
     (``canary-evalset.jsonl``); returns ``output`` (the ``--include_path``). ``max_tokens``: cut each text to
     that many tokens (the model's block size - 2 keeps an item, its leading end-of-text token and the one token

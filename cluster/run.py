@@ -1,0 +1,258 @@
+"""python -m cluster.run JOB.yaml [--until STAGE] [--set KEY=VALUE]: the whole chain from one spec, resumable.
+
+Runs plan, curate, train, export, eval and serve in order on one Ray (a local one, or the cluster's inside
+``ray job submit``: cluster/jobs/submit_job.sh). Each stage writes under ``<root>/<stage>/<key>/``, keyed by its
+config and its inputs (cluster/stages.py): a rerun skips what is done and verifies, resumes what was cut off, and
+redoes only what a changed key reaches. ``<root>/lineage.json`` ties the inputs' sha256 to the data, the run, the
+exports, the served model id and the scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.run_spec import STAGES, Job, SpecError, add_spec_arguments, load_job
+from cluster.stages import (
+    CANARY_SET,
+    MARKER,
+    StageOutput,
+    curate_material,
+    eval_material,
+    export_material,
+    finish,
+    run_curate,
+    run_eval,
+    run_export,
+    run_train,
+    stage_location,
+    train_material,
+    verified,
+)
+from ground.cache import fetch_verified
+from ground.logsetup import setup_logging
+from ground.overrides import ConfigError, parse_set
+from ground.storage import Location, StorageError, discard
+
+log = logging.getLogger("cluster.run")
+LINEAGE = "lineage.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.run",
+        description="Run the whole chain (plan, curate, train, export, eval, serve) from one job spec; rerun it to "
+        "resume: finished stages are verified and skipped, a stage that was cut off continues.",
+    )
+    add_spec_arguments(parser)
+    parser.add_argument("--until", choices=STAGES, default=STAGES[-1], help="stop after this stage (default: serve)")
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster address ('auto' inside a cluster job; default: RAY_ADDRESS or a local Ray)",
+    )
+    return parser.parse_args(argv)
+
+
+def say(stage: str, state: str, detail: str = "") -> None:
+    """One line per stage and state, plain text: it reads the same in a terminal, `ray job logs` and CI."""
+    print(f"[{stage:<7}] {state:<9} {detail}".rstrip(), flush=True)
+
+
+class Chain:
+    """Runs the stages in order; Ray starts once, at the first stage that has work to do."""
+
+    def __init__(self, job: Job, address: str | None) -> None:
+        self.job = job
+        self.root = Location(job.spec.root)
+        self.address = address
+        self.started_ray = False
+
+    def ensure_ray(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address)
+            self.started_ray = True
+
+    def stage(
+        self, name: str, material: dict[str, Any], work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]
+    ) -> StageOutput:
+        key, location = stage_location(self.root, name, material)
+        out = StageOutput(name, key, location)
+        record, problem = verified(location)
+        if record is not None:
+            out.record = record
+            say(name, "skipped", f"{location} (done {record['finished']}, verified)")
+            return out
+        if problem is not None:
+            # A finished output that no longer verifies is not trusted in part either: it is redone from scratch.
+            say(name, "redoing", f"{location}: {problem}")
+            discard(location, MARKER)
+        resume = location.exists() and not location.is_empty()
+        say(name, "resuming" if resume else "running", str(location))
+        self.ensure_ray()
+        started = time.time()
+        proof, result = work(location, resume)
+        finish(out, proof, result, started, time.time())
+        say(name, "done", f"in {out.record['seconds']:.1f} s")
+        return out
+
+    def shutdown(self) -> None:
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def run_chain(job: Job, until: str, address: str | None = None) -> int:
+    last = STAGES.index(until)
+    say("plan", *plan_verdict(job))
+    if last == 0:
+        return 0
+    chain = Chain(job, address)
+    try:
+        curate_key, gathered = curate_material(job)
+        curated = chain.stage("curate", curate_key, lambda out, resume: run_curate(job, out, gathered, resume))
+        outputs = {"curate": curated}
+        if last >= STAGES.index("train"):
+            trained = chain.stage(
+                "train", train_material(job, curated), lambda out, resume: run_train(job, out, curated, resume)
+            )
+            outputs["train"] = trained
+        if last >= STAGES.index("export"):
+            exported = chain.stage("export", export_material(trained), lambda out, resume: run_export(out, trained))
+            outputs["export"] = exported
+        if last >= STAGES.index("eval"):
+            evaluated = chain.stage(
+                "eval",
+                eval_material(job, curated, exported),
+                lambda out, resume: run_eval(job, out, curated, exported),
+            )
+            outputs["eval"] = evaluated
+        lineage = write_lineage(job, chain.root, outputs)
+        say("lineage", "written", f"{chain.root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
+        if last >= STAGES.index("serve"):
+            return serve_stage(job, outputs, lineage["model_id"])
+        return 0
+    finally:
+        chain.shutdown()
+
+
+def served_model_id(job: Job, exported: StageOutput) -> str:
+    """The name clients send and /v1/models lists: the spec's serve.name, or one the export's key makes unique."""
+    return str(job.spec.serve.get("name") or f"raylm-{exported.key[:12]}")
+
+
+def write_lineage(job: Job, root: Location, outputs: dict[str, StageOutput]) -> dict[str, Any]:
+    curated = outputs["curate"]
+    manifest = curated.location.join("manifest.json").read_json()
+    digest = curated.record["files"]["manifest.json"]
+    data = {"dir": curated.location.uri, "key": curated.key, "manifest_sha256": digest}
+    lineage: dict[str, Any] = {"spec": job.source, "inputs": manifest["sources"], "data": data}
+    if "train" in outputs:
+        trained = outputs["train"]
+        final = trained.location.join("final", "final.json").read_json()
+        lineage["train"] = {"run_dir": trained.location.uri, "key": trained.key, "step": final["step"],
+                            "summary": trained.record["result"]}  # fmt: skip
+    if "export" in outputs:
+        exported = outputs["export"]
+        lineage["export"] = {
+            name.split("/")[0]: {"dir": exported.location.join(name.split("/")[0]).uri, "lineage_sha256": digest}
+            for name, digest in exported.record["files"].items()
+        }
+        lineage["model_id"] = served_model_id(job, exported)
+    if "eval" in outputs:
+        lineage["eval"] = {"dir": outputs["eval"].location.uri, "scores": outputs["eval"].record["result"]["scores"]}
+    root.join(LINEAGE).write_text(json.dumps(lineage, indent=2))
+    return lineage
+
+
+def serve_stage(job: Job, outputs: dict[str, StageOutput], model_id: str) -> int:
+    """``python -m serve`` on the export, with the eval stage's canary set, in this process and on this Ray."""
+    from serve.__main__ import main as serve_main
+
+    argv = ["--model", outputs["export"].location.join("raylm").uri, *job.serve_argv]
+    if "name" not in job.spec.serve:
+        argv += ["--name", model_id]
+    evaluated = outputs["eval"]
+    # The canary reads a local file: this node's verified copy when the root is in object storage.
+    canary = fetch_verified(evaluated.location.join(CANARY_SET), evaluated.record["files"][CANARY_SET])
+    argv += ["--canary-evalset", str(canary)]
+    say("serve", "running", " ".join(argv))
+    return serve_main(argv)
+
+
+def plan_verdict(job: Job) -> tuple[str, str]:
+    """The planner's check of the spec's training on the spec's GPUs: a spec that cannot fit is refused here,
+    before anything starts (``SpecError`` naming the fields)."""
+    if job.spec.cluster is None:
+        return "skipped", "no cluster section: a local run, nothing to plan"
+    from cluster.job_spec import JobSpec
+    from cluster.planner import build_plan
+
+    train, cluster = job.train, job.spec.cluster
+    par, data, model = train.parallel, train.data, train.model
+    micro_steps = max(1, data.global_batch_size // (data.micro_batch_size * par.workers))
+    planned = {
+        "name": job.source,
+        "model": {"n_layer": model.n_layer, "n_embd": model.n_embd, "n_head": model.n_head,
+                  "vocab_size": job.pipeline.tokenize.vocab_size, "seq_len": model.block_size, "bias": model.bias},
+        "training": {"tokens": float(train.steps * data.global_batch_size * model.block_size),
+                     "micro_batch": data.micro_batch_size, "grad_accum": micro_steps,
+                     "zero_stage": 3 if par.strategy == "fsdp" else 0,
+                     "activation_checkpointing": par.activation_checkpointing},
+        "cluster": cluster.model_dump(),
+        "parallelism": {"dp": par.workers},
+        "trainer": {"strategy": par.strategy, "world_size": par.workers},
+    }  # fmt: skip
+    try:
+        spec = JobSpec.model_validate(planned)
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise SpecError(f"{job.source}: plan: {problems} (DP is train.parallel.workers)") from exc
+    plan = build_plan(spec)
+    gpu, usable = cluster.gpu_type, plan.memory.usable_bytes
+    assert plan.trainer is not None  # the spec above has a trainer section
+    if plan.trainer.state_bytes_per_rank > usable:
+        raise SpecError(
+            f"{job.source}: plan: train.model does not fit on one {gpu} with train.parallel.strategy "
+            f"{par.strategy} over {par.workers} workers: the trainer's state is "
+            f"{plan.trainer.state_bytes_per_rank / 1e9:.1f} GB a rank, {usable / 1e9:.1f} GB usable "
+            "(cluster.gpu_type, cluster.memory_headroom); shard it (fsdp) or use more workers"
+        )
+    if not plan.memory.fits:
+        raise SpecError(
+            f"{job.source}: plan: train.model with train.data.micro_batch_size {data.micro_batch_size} needs "
+            f"{plan.memory.total_bytes / 1e9:.1f} GB a GPU, {usable / 1e9:.1f} GB usable on one {gpu}"
+        )
+    return "done", (
+        f"{plan.model.n_params / 1e6:.1f}M parameters on {cluster.gpus} × {gpu}: "
+        f"{plan.trainer.state_bytes_per_rank / 1e9:.2f} GB state a rank of {usable / 1e9:.1f} GB usable"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    try:
+        job = load_job(args.spec, parse_set(args.set))
+        return run_chain(job, args.until, args.address)
+    except (SpecError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The job spec of ``python -m cluster.run``: one YAML file for the whole chain, from crawl to served model.
+
+Each stage's section is that stage's own config, not a copy of it: ``data`` holds pipeline keys
+(pipeline/config.py), ``train`` holds train keys (train/config.py), ``serve`` holds ``python -m serve`` options.
+``base:`` in a section names the stage's own YAML file (e.g. train/configs/demo.yaml), and the keys beside it
+override that file's, so an experiment is a short spec over a shared config. Everything is validated when the spec
+is loaded, before any stage starts; an error names the key as the spec spells it (``train.optimizer.lr: …``).
+
+Paths in the spec (``root``, ``base``, inputs, the files a config names) are relative to the working directory:
+the repository root locally, and the job's working dir under ``ray job submit --working-dir .``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.job_spec import ClusterSpec
+from ground.overrides import ConfigError, apply_overrides, read_yaml, validation_problems
+from pipeline.config import PipelineConfig
+from train.config import TrainConfig
+
+STAGES = ("plan", "curate", "train", "export", "eval", "serve")
+# Keys the job sets itself, from the stages upstream: a spec that sets them is refused rather than overruled.
+TRAIN_KEYS_SET_BY_THE_JOB = ("data_dir", "output_dir", "checkpoint.resume", "data.mixture")
+SERVE_KEYS_SET_BY_THE_JOB = ("model", "canary_evalset", "address")
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run: the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _StageSection(BaseModel):
+    """A stage's own config keys (``extra``), over the stage's YAML file ``base``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    base: str | None = Field(None, description="the stage's own YAML file; the keys beside it override it")
+
+    def stage_keys(self) -> dict[str, Any]:
+        """The stage config this section describes: ``base`` with the section's other keys merged over it."""
+        merged = read_yaml(self.base)
+        return apply_overrides(merged, _dotted(self.model_extra or {}))
+
+
+class DataSection(_StageSection):
+    inputs: str | None = Field(None, description="as `python -m pipeline run --input`: a dir, file, glob or URI")
+    input_list: str | None = Field(None, description="as --input-list: a file of input URIs, one per line")
+    base_url: str | None = Field(None, description="as --base-url: the prefix of relative entries in input_list")
+
+
+class TrainSection(_StageSection):
+    pass
+
+
+class EvalSection(_Strict):
+    """lm-evaluation-harness on the Hugging Face export (serve/harness_tasks.py), over the canary's eval set."""
+
+    items: int = Field(16, gt=0, description="val documents in the canary's eval set (and the harness's ppl task)")
+    max_chars: int = Field(1200, gt=0, description="each item cut to this many characters")
+    tasks: list[str] = Field(["raylm_val_ppl", "raylm_val_cloze"], min_length=1)
+
+
+class RunSpec(_Strict):
+    root: str = Field(description="where every stage writes, under <stage>/<key>/: a local dir or s3://…")
+    data: DataSection
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    serve: dict[str, Any] = Field(default_factory=dict, description="python -m serve options, e.g. port: 8000")
+    cluster: ClusterSpec | None = Field(None, description="the GPUs on offer, for the planner; none: a local run")
+
+
+class Job:
+    """A validated spec and the configs it resolves to."""
+
+    def __init__(self, spec: RunSpec, source: str) -> None:
+        self.spec = spec
+        self.source = source
+        self.pipeline = _validated(PipelineConfig, spec.data.stage_keys(), "data", source)
+        if not (spec.data.inputs or spec.data.input_list):
+            raise SpecError(f"{source}: data.inputs: give the inputs (a dir, file, glob or URI) or data.input_list")
+        train_keys = spec.train.stage_keys()
+        for dotted in TRAIN_KEYS_SET_BY_THE_JOB:
+            if _has(train_keys, dotted):
+                raise SpecError(f"{source}: train.{dotted}: set by the job from the stages upstream; remove it")
+        self.train = _validated(TrainConfig, train_keys, "train", source)
+        self.serve_argv = serve_argv(spec.serve, source)
+
+
+def load_job(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Job:
+    """Read, override (``{"train.steps": 12}``, as ``--set`` gives them) and validate a spec; ``SpecError`` if it
+    cannot run, naming the key."""
+    source = str(path)
+    try:
+        raw = apply_overrides(read_yaml(path), overrides or {})
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from exc
+    try:
+        spec = RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError(f"{source}: " + "; ".join(validation_problems(exc))) from exc
+    try:
+        return Job(spec, source)
+    except ConfigError as exc:  # a base file that cannot be read
+        raise SpecError(f"{source}: {exc}") from exc
+
+
+def serve_argv(options: Mapping[str, Any], source: str) -> list[str]:
+    """``python -m serve`` arguments from the spec's ``serve`` section (``model`` and the canary set are the job's),
+    checked by serve's own parser so that a bad option fails now, naming it."""
+    from serve.__main__ import build_parser
+
+    argv: list[str] = []
+    for key, value in options.items():
+        if key in SERVE_KEYS_SET_BY_THE_JOB:
+            raise SpecError(f"{source}: serve.{key}: set by the job; remove it")
+        flag = "--" + key.replace("_", "-")
+        if key == "set" and isinstance(value, Mapping):
+            argv += [item for dotted, v in _dotted(value).items() for item in ("--set", f"{dotted}={v}")]
+        elif value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    parser = build_parser()
+    known = {option for action in parser._actions for option in action.option_strings}  # argparse has no public list
+    for item in argv:
+        if item.startswith("--") and item not in known:
+            raise SpecError(f"{source}: serve.{item[2:].replace('-', '_')}: unknown key (see python -m serve --help)")
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parser.parse_args(["--model", "checked-later", *argv])
+    except SystemExit as exc:
+        message = errors.getvalue().strip().splitlines()[-1:] or ["invalid"]
+        raise SpecError(f"{source}: serve: {message[0].removeprefix('python -m serve: error: ')}") from exc
+    return argv
+
+
+def _validated(model: type[BaseModel], data: dict[str, Any], section: str, source: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{section}.{line}" if ":" in line.split(" ")[0] else f"{section}: {line}" for line in
+                    validation_problems(exc)]  # fmt: skip
+        raise SpecError(f"{source}: " + "; ".join(problems)) from exc
+
+
+def _dotted(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a section's keys merge into its base key by key, not section by
+    section (``train: {optimizer: {lr: …}}`` keeps the base file's other optimizer keys)."""
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            flat |= _dotted(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _has(data: Mapping[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for key in dotted.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", help="the job spec (YAML): root, data, train, eval, serve, cluster")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any spec key, e.g. --set train.steps=400 --set data.tokenize.vocab_size=4096 (repeatable)",
+    )

@@ -1,0 +1,207 @@
+"""The stages of ``python -m cluster.run``, each keyed by what made its output.
+
+A stage writes under ``<root>/<stage>/<key>/``. The key is the sha256 of the stage's effective config and the keys of
+the outputs it reads, so a changed config or a changed upstream output lands in a new directory, and an unchanged one
+finds its output where it left it. The code version is recorded in each output's ``stage.json`` but not hashed: a
+commit that changes no behaviour (a comment, a refactor, a new feature off by default) must not redo a day of
+curation and training; a change that does alter outputs is a change of config or a new version of the stage's
+defaults, which the config dump captures.
+
+``stage.json`` is written last. A directory with it is complete, and it lists the sha256 of the files that prove the
+stage finished (the data manifest, the run's summary, the exports' lineage, the scores), so a skip checks them
+rather than trusting the directory; one that no longer verifies is discarded and redone. A directory without it is
+a stage that was cut off: the pipeline resumes it (``--resume``) and training continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.run_spec import Job
+from ground.hashing import sha256_json, sha256_stream
+from ground.storage import Location, is_published, publish
+
+log = logging.getLogger("cluster.run")
+
+MARKER = "stage.json"
+KEY_CHARS = 16  # of the sha256: a directory name that reads; 64 bits of it make a collision among a root's runs moot
+
+
+@dataclass
+class StageOutput:
+    name: str
+    key: str
+    location: Location
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def stage_location(root: Location, name: str, material: dict[str, Any]) -> tuple[str, Location]:
+    key = sha256_json({"stage": name, **material})
+    return key, root.join(name, key[:KEY_CHARS])
+
+
+def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
+    """(the stage record, None) for a complete output whose proof files still hash as recorded; (None, why) for a
+    complete one that does not verify; (None, None) for an output that is missing or was cut off."""
+    if not is_published(out, MARKER):
+        return None, None
+    record = out.join(MARKER).read_json()
+    for name, digest in record.get("files", {}).items():
+        path = out.join(name)
+        if not path.is_file():
+            return None, f"{name} is missing"
+        with path.open_input() as stream:
+            if sha256_stream(stream) != digest:
+                return None, f"{name} changed since the stage finished"
+    return record, None
+
+
+def finish(out: StageOutput, proof_files: list[str], result: dict[str, Any], started: float, ended: float) -> None:
+    """Write ``stage.json``, last: the stage's key, what it read, its result, and the proof files' sha256."""
+    files = {}
+    for name in proof_files:
+        with out.location.join(name).open_input() as stream:
+            files[name] = sha256_stream(stream)
+    out.record = {
+        "stage": out.name,
+        "key": out.key,
+        "result": result,
+        "files": files,
+        "code_version": code_version(),
+        "started": _iso(started),
+        "finished": _iso(ended),
+        "seconds": round(ended - started, 1),
+    }
+    publish(out.location, MARKER, out.record)
+
+
+def code_version() -> str:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes), or "unknown" outside a git checkout (a
+    ``ray job submit --working-dir`` upload has no .git)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True,
+            timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def _iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat(timespec="seconds")
+
+
+# ---- the stages' work: each takes the job, its output and the outputs it reads ----
+
+
+def curate_material(job: Job) -> tuple[dict[str, Any], Any]:
+    """The curate key's material (the pipeline's own run identity: config, inputs with sizes, resource hashes) and
+    the gathered inputs, which the run then reuses instead of listing them again."""
+    from pipeline.run_inputs import gather_inputs
+
+    data = job.spec.data
+    gathered = gather_inputs(data.inputs, job.pipeline, input_list=data.input_list, base_url=data.base_url)
+    return {"pipeline": gathered.identity(job.pipeline)}, gathered
+
+
+def run_curate(job: Job, out: Location, gathered: Any, resume: bool) -> tuple[list[str], dict[str, Any]]:
+    from rich.console import Console
+
+    from pipeline.executor import PipelineRun
+
+    data = job.spec.data
+    run = PipelineRun(
+        data.inputs, out.uri, job.pipeline, console=Console(stderr=True), input_list=data.input_list,
+        base_url=data.base_url, resume=resume, prepared=gathered,
+    )  # fmt: skip
+    report = run.run()
+    return ["manifest.json"], {"input": report["input"], "output": report["output"]}
+
+
+def train_material(job: Job, curated: StageOutput) -> dict[str, Any]:
+    config = job.train.to_dict()
+    for key in ("data_dir", "output_dir"):
+        config.pop(key, None)
+    config["checkpoint"].pop("resume", None)
+    return {"train": config, "data": curated.key}
+
+
+def run_train(job: Job, out: Location, curated: StageOutput, resume: bool) -> tuple[list[str], dict[str, Any]]:
+    from train.config import config_from_dict
+    from train.launch import launch
+
+    config = job.train.to_dict()
+    config["data_dir"] = curated.location.uri
+    config["output_dir"] = out.uri
+    config["checkpoint"]["resume"] = resume
+    summary = launch(config_from_dict(config))
+    return ["summary.json", "final/final.json"], summary
+
+
+EXPORT_FORMATS = ("raylm", "hf")
+
+
+def export_material(trained: StageOutput) -> dict[str, Any]:
+    return {"formats": list(EXPORT_FORMATS), "train": trained.key}
+
+
+def run_export(out: Location, trained: StageOutput) -> tuple[list[str], dict[str, Any]]:
+    from train.export import LINEAGE, export
+
+    for fmt in EXPORT_FORMATS:
+        export(trained.location.uri, out.join(fmt).uri, fmt)
+    return [f"{fmt}/{LINEAGE}" for fmt in EXPORT_FORMATS], {"formats": list(EXPORT_FORMATS)}
+
+
+def eval_material(job: Job, curated: StageOutput, exported: StageOutput) -> dict[str, Any]:
+    return {"eval": job.spec.eval.model_dump(), "data": curated.key, "export": exported.key}
+
+
+EVAL_SCORES = "scores.json"
+CANARY_SET = "tasks/canary-evalset.jsonl"
+
+
+def run_eval(job: Job, out: Location, curated: StageOutput, exported: StageOutput) -> tuple[list[str], dict[str, Any]]:
+    """lm-evaluation-harness (``hf`` backend) on the HF export, over the val documents the canary scores."""
+    import lm_eval
+
+    from ground.cache import fetch_published
+    from serve.harness_tasks import build_tasks
+    from train.export import LINEAGE
+
+    spec = job.spec.eval
+    with tempfile.TemporaryDirectory(prefix="raylm-eval-") as scratch:
+        tasks = build_tasks(
+            curated.location.uri, Path(scratch) / "tasks", items=spec.items,
+            max_tokens=job.train.model.block_size - 2,  # an item, its document-start token and one generated token
+        )  # fmt: skip
+        hf_model = fetch_published(exported.location.join("hf"), LINEAGE)  # this node's verified copy, if remote
+        results = lm_eval.simple_evaluate(
+            model="hf",
+            # add_bos_token=False: the harness puts its own prefix token (<|endoftext|>) before a rolling window.
+            model_args=f"pretrained={hf_model},dtype=float32,add_bos_token=False",
+            tasks=list(spec.tasks),
+            task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks)),
+            batch_size=4,
+            device="cpu",
+            bootstrap_iters=0,
+        )
+        scores = {
+            task: {k.removesuffix(",none"): v for k, v in metrics.items() if k.endswith(",none") and "stderr" not in k}
+            for task, metrics in results["results"].items()
+        }
+        for path in sorted(tasks.iterdir()):
+            out.join("tasks", path.name).upload_from(path)
+    out.join(EVAL_SCORES).write_json(scores)
+    return [EVAL_SCORES, CANARY_SET], {"scores": scores}

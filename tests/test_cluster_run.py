@@ -1,0 +1,268 @@
+"""python -m cluster.run: one spec drives plan, curate, train, export, eval and serve on the sample, with a small model.
+
+One chain runs (to eval) for the module; the tests then rerun it unchanged (every stage verified and skipped, then
+served under the lineage's model id), change a train key (curation kept, training and what follows redone), tamper
+with a finished output (redone), and run the same chain on a moto S3 bucket with its driver SIGKILLed during training
+and submitted again (the same data bytes and the same final weights as the uninterrupted local chain). Specs that
+cannot run are refused before anything starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from conftest import REPO, SAMPLE
+from remote_servers import make_bucket, moto_server, use_s3_endpoint
+
+from cluster.run import main
+from ground.dist import free_port
+from ground.hashing import sha256_file
+from ground.storage import Location
+
+STEPS = 12
+SPEC: dict[str, Any] = {
+    "data": {"inputs": str(SAMPLE), "base": "pipeline/configs/demo.yaml"},
+    "train": {
+        "base": "train/configs/demo.yaml",
+        "steps": STEPS,
+        # A checkpoint every 4 steps: the killed chain below has one to resume from.
+        "checkpoint": {"interval_steps": 4},
+        "data": {"eval_interval": 6},
+        "metrics": {"progress": False},
+    },
+    "eval": {"items": 4},
+}
+
+
+def write_spec(path: Path, root: str, **sections: Any) -> Path:
+    path.write_text(yaml.safe_dump({"root": root, **SPEC, **sections}))
+    return path
+
+
+def cli(spec: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.run", str(spec), *args]
+
+
+def run(spec: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """Run the chain to its end; returns its stdout and each stage's state ("running", "skipped", ...)."""
+    done = subprocess.run(cli(spec, *args), cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout, stage_states(done.stdout)
+
+
+def stage_states(stdout: str) -> dict[str, str]:
+    """{stage: its first state}: the lines `[stage  ] state  detail` of the chain's report."""
+    states: dict[str, str] = {}
+    for stage, state in re.findall(r"^\[(\w+)\s*\] (\w+)", stdout, re.MULTILINE):
+        states.setdefault(stage, state)
+    return states
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and modification time."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("chain")
+    spec = write_spec(base / "job.yaml", str(base / "root"))
+    stdout, states = run(spec, "--until", "eval")
+    root = base / "root"
+    return {"spec": spec, "root": root, "stdout": stdout, "states": states,
+            "lineage": json.loads((root / "lineage.json").read_text())}  # fmt: skip
+
+
+@pytest.mark.ray
+def test_the_chain_runs_every_stage_and_writes_its_lineage(chain: dict[str, Any]) -> None:
+    assert chain["states"] == {
+        "plan": "skipped", "curate": "running", "train": "running", "export": "running", "eval": "running",
+        "lineage": "written",
+    }  # fmt: skip
+    root, lineage = chain["root"], chain["lineage"]
+    # Each input's sha256, as the pipeline read it, is the file's.
+    assert {Path(s["path"]).name: s["sha256"] for s in lineage["inputs"]} == {
+        p.name: sha256_file(p) for p in SAMPLE.iterdir() if p.is_file()
+    }
+    data = Path(lineage["data"]["dir"])
+    assert data.parent == root / "curate" and lineage["data"]["manifest_sha256"] == sha256_file(data / "manifest.json")
+    run_dir = Path(lineage["train"]["run_dir"])
+    assert run_dir.parent == root / "train" and lineage["train"]["step"] == STEPS
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["data_dir"] == str(data) and config["steps"] == STEPS
+    for fmt in ("raylm", "hf"):
+        export = Path(lineage["export"][fmt]["dir"])
+        assert lineage["export"][fmt]["lineage_sha256"] == sha256_file(export / "lineage.json")
+        exported = json.loads((export / "lineage.json").read_text())
+        assert exported["run_dir"] == str(run_dir)
+        assert exported["data_manifest_sha256"] == lineage["data"]["manifest_sha256"]
+    scores = lineage["eval"]["scores"]
+    assert scores["raylm_val_ppl"]["bits_per_byte"] > 0 and 0 <= scores["raylm_val_cloze"]["acc"] <= 1
+    canary = Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl"
+    assert len(canary.read_text().splitlines()) >= 1
+    # Each stage's record names its key, which is its directory's name.
+    for stage in ("curate", "train", "export", "eval"):
+        (out,) = (root / stage).iterdir()
+        record = json.loads((out / "stage.json").read_text())
+        assert record["stage"] == stage and record["key"].startswith(out.name) and record["files"]
+
+
+@pytest.mark.ray
+def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model(chain: dict[str, Any]) -> None:
+    root = chain["root"]
+    before = tree(root)
+    port = free_port()
+    log = root.parent / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cli(chain["spec"], "--set", f"serve.port={port}", "--set", "serve.enforce_eager=true"),
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while '"endpoint"' not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-5000:]
+            assert time.monotonic() < deadline, "no endpoint line in 300 s"
+            time.sleep(0.5)
+        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == [chain["lineage"]["model_id"]]
+        proc.send_signal(signal.SIGTERM)  # drains and stops, as `ray job stop` would
+        assert proc.wait(timeout=120) == 0, log.read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    states = stage_states(log.read_text())
+    assert [states[s] for s in ("curate", "train", "export", "eval", "serve")] == ["skipped"] * 4 + ["running"]
+    after = tree(root)
+    # Nothing was rewritten but the lineage, which says the same.
+    changed = {name for name in before if after[name] != before[name]}
+    assert changed <= {"lineage.json"} and set(after) == set(before)
+    assert json.loads((root / "lineage.json").read_text()) == chain["lineage"]
+
+
+@pytest.mark.ray
+def test_a_changed_train_key_keeps_the_data_and_redoes_training_and_what_follows(chain: dict[str, Any]) -> None:
+    root = chain["root"]
+    curated_before = tree(root / "curate")
+    _, states = run(chain["spec"], "--until", "export", "--set", f"train.steps={STEPS - 2}")
+    assert states == {"plan": "skipped", "curate": "skipped", "train": "running", "export": "running",
+                      "lineage": "written"}  # fmt: skip
+    assert tree(root / "curate") == curated_before
+    lineage = json.loads((root / "lineage.json").read_text())
+    assert lineage["data"] == chain["lineage"]["data"]
+    assert lineage["train"]["step"] == STEPS - 2 and lineage["train"]["run_dir"] != chain["lineage"]["train"]["run_dir"]
+    assert lineage["model_id"] != chain["lineage"]["model_id"]
+    # The earlier outputs stay where they were: switching back is a skip, not a retrain.
+    assert len(list((root / "train").iterdir())) == 2
+
+
+@pytest.mark.ray
+def test_a_finished_output_that_no_longer_verifies_is_redone(chain: dict[str, Any]) -> None:
+    scores = Path(chain["lineage"]["eval"]["dir"]) / "scores.json"
+    honest = scores.read_bytes()
+    scores.write_text(json.dumps({"raylm_val_ppl": {"bits_per_byte": 0.01}}))
+    stdout, states = run(chain["spec"], "--until", "eval")
+    assert [states[s] for s in ("curate", "train", "export", "eval")] == ["skipped"] * 3 + ["redoing"]
+    assert "scores.json changed since the stage finished" in stdout
+    assert re.search(r"^\[eval\s*\] running", stdout, re.MULTILINE)
+    assert scores.read_bytes() == honest  # lm-eval on the same export scores the same
+
+
+@pytest.mark.ray
+def test_on_a_bucket_a_chain_killed_in_training_and_submitted_again_ends_like_the_local_one(
+    chain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with moto_server() as endpoint:
+        use_s3_endpoint(monkeypatch, endpoint)
+        make_bucket(endpoint, "jobs")
+        # The inputs stay where the local chain read them: the inputs' URIs are part of the curated data's key.
+        spec = write_spec(tmp_path / "job.yaml", "s3://jobs/root")
+        runs = Location("s3://jobs/root/train")
+        with (tmp_path / "killed.log").open("w") as out:
+            proc = subprocess.Popen(
+                cli(spec, "--until", "eval"), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + 300
+            while not any(re.search(r"checkpoint_step_\d+/", name) for name in runs.files()):
+                assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-5000:]
+                assert time.monotonic() < deadline, "no checkpoint in 300 s"
+                time.sleep(0.1)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert not any(name.endswith("/stage.json") for name in runs.files()), "training finished before the kill"
+
+        _, states = run(spec, "--until", "eval")
+        redone = [states[s] for s in ("curate", "train", "export", "eval")]
+        assert redone == ["skipped", "resuming", "running", "running"]
+        lineage = json.loads(Location("s3://jobs/root/lineage.json").read_text())
+        local = chain["lineage"]
+        # The same keys, so the same directory names under another root; the same bytes in them.
+        for stage in ("data", "train"):
+            assert lineage[stage]["key"] == local[stage]["key"]
+        assert lineage["data"]["manifest_sha256"] == local["data"]["manifest_sha256"]
+        for name in ("tokens/train-00000.bin", "tokens/val-00000.bin", "tokenizer.json"):
+            remote = Location(lineage["data"]["dir"]).join(name).read_bytes()
+            assert remote == (Path(local["data"]["dir"]) / name).read_bytes(), name
+        weights = Location(lineage["train"]["run_dir"]).join("final", "model.safetensors").read_bytes()
+        assert weights == (Path(local["train"]["run_dir"]) / "final" / "model.safetensors").read_bytes()
+        assert lineage["model_id"] == local["model_id"] and lineage["eval"]["scores"] == local["eval"]["scores"]
+
+
+# ---- refused before anything starts (no Ray) ----
+
+
+def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, **sections: Any) -> str:
+    spec = write_spec(tmp_path / "job.yaml", str(tmp_path / "root"), **sections)
+    assert main([str(spec), *args]) == 2
+    assert not (tmp_path / "root").exists()
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "sections", "named"),
+    [
+        (["--set", "train.optimizer.lrr=1"], {}, "train.optimizer.lrr: unknown key"),
+        (["--set", "data.tokenize.vocab_size=5"], {}, "data.tokenize.vocab_size"),
+        (["--set", "train.data_dir=/elsewhere"], {}, "train.data_dir: set by the job"),
+        ([], {"serve": {"bogus_option": 1}}, "serve.bogus_option: unknown key"),
+        ([], {"serve": {"port": "eighty"}}, "--port: invalid int value"),
+        ([], {"serve": {"model": "x"}}, "serve.model: set by the job"),
+        (["--set", "evaluation.items=3"], {}, "evaluation: unknown key"),
+        ([], {"data": {"base": "pipeline/configs/demo.yaml"}}, "data.inputs"),
+    ],
+)
+def test_a_spec_with_a_bad_key_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], sections: dict[str, Any], named: str
+) -> None:
+    assert named in refusal(tmp_path, capsys, *args, **sections)
+
+
+def test_a_spec_whose_model_cannot_fit_its_gpus_is_refused_by_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = ["--set", "train.model.n_layer=48", "--set", "train.model.n_embd=6144", "--set", "train.model.n_head=48"]
+    err = refusal(tmp_path, capsys, *big, cluster={"gpus": 1, "gpu_type": "L4", "gpus_per_node": 1})
+    assert "plan: train.model does not fit on one L4" in err
+    err = refusal(tmp_path, capsys, cluster={"gpus": 8, "gpu_type": "A10G"})
+    assert "cluster.gpus = 8" in err and "train.parallel.workers" in err
+
+
+def test_a_spec_that_fits_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path / "job.yaml", str(tmp_path / "root"), cluster={"gpus": 1, "gpu_type": "A10G"})
+    assert main([str(spec), "--until", "plan"]) == 0
+    assert re.search(r"^\[plan\s*\] done\s+[\d.]+M parameters on 1 × A10G", capsys.readouterr().out, re.MULTILINE)
+    assert not (tmp_path / "root").exists()
