@@ -26,16 +26,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m pipeline run --input data/sample --output $(DEMO)/data --overwrite \
-		--config pipeline/configs/demo.yaml
-	rm -rf $(DEMO)/train $(DEMO)/model  # a fresh run each time (resuming is `python -m train ... --resume`)
-	$(BIN)/python -m train --data $(DEMO)/data --output $(DEMO)/train --strategy ddp --workers 2 \
-		--steps 200 --config train/configs/demo.yaml
-	$(BIN)/python -m train.export --run $(DEMO)/train --output $(DEMO)/model
-	# --max-tokens: each item fits the demo model's 128-token context (train/configs/demo.yaml) with the document start.
-	$(BIN)/python -m serve.canary build --data $(DEMO)/data --output $(DEMO)/canary-evalset.jsonl --max-tokens 126
-	$(BIN)/python -m serve --model $(DEMO)/model --port $(PORT) --canary-evalset $(DEMO)/canary-evalset.jsonl \
-		--canary-interval 60 --enforce-eager --smoke
+	# One job spec drives the chain (plan, curate, train, export, eval, serve); run it again and the finished stages
+	# are verified and skipped. Each stage's directory: python -m cluster.run cluster/jobs/demo.yaml --where STAGE.
+	$(BIN)/python -m cluster.run cluster/jobs/demo.yaml --set serve.port=$(PORT)
 
 test: $(STAMP)
 	bash dashboards/install_prometheus.sh

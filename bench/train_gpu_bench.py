@@ -15,7 +15,7 @@ the datasheet peak and against a bf16 matmul peak measured here) and peak device
 other, once each (a round is minutes of a lent GPU); ``--rounds N`` repeats the timed ways in alternating order and
 reports medians and IQRs.
 
-    python bench/train_gpu_bench.py --device cuda --data runs/demo/data       # GPT-2 small on the card
+    python bench/train_gpu_bench.py --device cuda --data $DATA       # GPT-2 small on the card
     python bench/train_gpu_bench.py --smoke                                   # CPU, tiny model (the tests' run)
 
 FSDP over several cards needs one process per card; this bench measures world size 1 only, and says so.

@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_spec_arguments(parser)
     parser.add_argument("--until", choices=STAGES, default=STAGES[-1], help="stop after this stage (default: serve)")
     parser.add_argument(
+        "--where",
+        choices=STAGES[1:-1],
+        help="print the directory this spec's STAGE writes (whether or not it has run) and exit, e.g. "
+        "--data $(python -m cluster.run JOB.yaml --where curate)",
+    )
+    parser.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
         help="Ray cluster address ('auto' inside a cluster job; default: RAY_ADDRESS or a local Ray)",
@@ -67,12 +73,29 @@ def say(stage: str, state: str, detail: str = "") -> None:
     print(f"[{stage:<7}] {state:<9} {detail}".rstrip(), flush=True)
 
 
+def keyed_outputs(job: Job) -> tuple[dict[str, StageOutput], Any]:
+    """Where each stage of the spec writes, from its config and the keys upstream: known before anything runs (and
+    without Ray), so ``--where`` can print it. Also returns the pipeline's gathered inputs, for the curate stage."""
+    root = Location(job.spec.root)
+    outputs: dict[str, StageOutput] = {}
+
+    def add(name: str, material: dict[str, Any]) -> StageOutput:
+        key, location = stage_location(root, name, material)
+        outputs[name] = StageOutput(name, key, location)
+        return outputs[name]
+
+    material, gathered = curate_material(job)
+    curated = add("curate", material)
+    trained = add("train", train_material(job, curated))
+    exported = add("export", export_material(trained))
+    add("eval", eval_material(job, curated, exported))
+    return outputs, gathered
+
+
 class Chain:
     """Runs the stages in order; Ray starts once, at the first stage that has work to do."""
 
-    def __init__(self, job: Job, address: str | None) -> None:
-        self.job = job
-        self.root = Location(job.spec.root)
+    def __init__(self, address: str | None) -> None:
         self.address = address
         self.started_ray = False
 
@@ -83,16 +106,14 @@ class Chain:
             ray.init(address=self.address)
             self.started_ray = True
 
-    def stage(
-        self, name: str, material: dict[str, Any], work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]
-    ) -> StageOutput:
-        key, location = stage_location(self.root, name, material)
-        out = StageOutput(name, key, location)
+    def stage(self, out: StageOutput, work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]) -> None:
+        """Skip ``out`` if it is done and verifies; else run ``work(location, resume)`` and record it."""
+        name, location = out.name, out.location
         record, problem = verified(location)
         if record is not None:
             out.record = record
             say(name, "skipped", f"{location} (done {record['finished']}, verified)")
-            return out
+            return
         if problem is not None:
             # A finished output that no longer verifies is not trusted in part either: it is redone from scratch.
             say(name, "redoing", f"{location}: {problem}")
@@ -104,7 +125,6 @@ class Chain:
         proof, result = work(location, resume)
         finish(out, proof, result, started, time.time())
         say(name, "done", f"in {out.record['seconds']:.1f} s")
-        return out
 
     def shutdown(self) -> None:
         if self.started_ray:
@@ -118,30 +138,24 @@ def run_chain(job: Job, until: str, address: str | None = None) -> int:
     say("plan", *plan_verdict(job))
     if last == 0:
         return 0
-    chain = Chain(job, address)
+    outputs, gathered = keyed_outputs(job)
+    curated, trained, exported = (outputs[s] for s in ("curate", "train", "export"))
+    work: dict[str, Callable[[Location, bool], tuple[list[str], dict[str, Any]]]] = {
+        "curate": lambda out, resume: run_curate(job, out, gathered, resume),
+        "train": lambda out, resume: run_train(job, out, curated, resume),
+        "export": lambda out, resume: run_export(out, trained),
+        "eval": lambda out, resume: run_eval(job, out, curated, exported),
+    }
+    done = {name: outputs[name] for name in STAGES[1 : min(last, STAGES.index("eval")) + 1]}
+    chain = Chain(address)
     try:
-        curate_key, gathered = curate_material(job)
-        curated = chain.stage("curate", curate_key, lambda out, resume: run_curate(job, out, gathered, resume))
-        outputs = {"curate": curated}
-        if last >= STAGES.index("train"):
-            trained = chain.stage(
-                "train", train_material(job, curated), lambda out, resume: run_train(job, out, curated, resume)
-            )
-            outputs["train"] = trained
-        if last >= STAGES.index("export"):
-            exported = chain.stage("export", export_material(trained), lambda out, resume: run_export(out, trained))
-            outputs["export"] = exported
-        if last >= STAGES.index("eval"):
-            evaluated = chain.stage(
-                "eval",
-                eval_material(job, curated, exported),
-                lambda out, resume: run_eval(job, out, curated, exported),
-            )
-            outputs["eval"] = evaluated
-        lineage = write_lineage(job, chain.root, outputs)
-        say("lineage", "written", f"{chain.root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
-        if last >= STAGES.index("serve"):
-            return serve_stage(job, outputs, lineage["model_id"])
+        for name, out in done.items():
+            chain.stage(out, work[name])
+        root = Location(job.spec.root)
+        lineage = write_lineage(job, root, done)
+        say("lineage", "written", f"{root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
+        if until == "serve":
+            return serve_stage(job, done, lineage["model_id"])
         return 0
     finally:
         chain.shutdown()
@@ -245,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         job = load_job(args.spec, parse_set(args.set))
+        if args.where:
+            print(keyed_outputs(job)[0][args.where].location.uri)
+            return 0
         return run_chain(job, args.until, args.address)
     except (SpecError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)

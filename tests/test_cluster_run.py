@@ -85,7 +85,9 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.ray
-def test_the_chain_runs_every_stage_and_writes_its_lineage(chain: dict[str, Any]) -> None:
+def test_the_chain_runs_every_stage_and_writes_its_lineage(
+    chain: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert chain["states"] == {
         "plan": "skipped", "curate": "running", "train": "running", "export": "running", "eval": "running",
         "lineage": "written",
@@ -111,11 +113,13 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(chain: dict[str, Any]
     assert scores["raylm_val_ppl"]["bits_per_byte"] > 0 and 0 <= scores["raylm_val_cloze"]["acc"] <= 1
     canary = Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl"
     assert len(canary.read_text().splitlines()) >= 1
-    # Each stage's record names its key, which is its directory's name.
+    # Each stage's record names its key, which is its directory's name; --where names the same directory.
     for stage in ("curate", "train", "export", "eval"):
         (out,) = (root / stage).iterdir()
         record = json.loads((out / "stage.json").read_text())
         assert record["stage"] == stage and record["key"].startswith(out.name) and record["files"]
+        assert main([str(chain["spec"]), "--where", stage]) == 0
+        assert capsys.readouterr().out.strip() == str(out)
 
 
 @pytest.mark.ray
