@@ -73,6 +73,26 @@ def say(stage: str, state: str, detail: str = "") -> None:
     print(f"[{stage:<7}] {state:<9} {detail}".rstrip(), flush=True)
 
 
+class StageFailed(RuntimeError):
+    """A stage stopped on an error it explains (bad input, a diverged run, too few val documents...)."""
+
+
+def stage_errors() -> tuple[type[BaseException], ...]:
+    """The stages' own errors, whose message says what is wrong: reported as one line, not a traceback."""
+    from pipeline.errors import PipelineInputError, PipelineOutputError
+    from serve.evalset import EvalSetError
+    from train.export import ExportError
+    from train.guard import TrainingDiverged
+    from train.manifest import DataError
+    from train.parallel import ReplicaMismatch
+    from train.preflight import PreflightError
+
+    return (
+        PipelineInputError, PipelineOutputError, PreflightError, TrainingDiverged, ReplicaMismatch, DataError,
+        ExportError, EvalSetError, ConfigError, StorageError,
+    )  # fmt: skip
+
+
 def keyed_outputs(job: Job) -> tuple[dict[str, StageOutput], Any]:
     """Where each stage of the spec writes, from its config and the keys upstream: known before anything runs (and
     without Ray), so ``--where`` can print it. Also returns the pipeline's gathered inputs, for the curate stage."""
@@ -122,7 +142,11 @@ class Chain:
         say(name, "resuming" if resume else "running", str(location))
         self.ensure_ray()
         started = time.time()
-        proof, result = work(location, resume)
+        try:
+            proof, result = work(location, resume)
+        except stage_errors() as exc:
+            say(name, "failed", f"{location}: its work so far is kept; run the job again to continue")
+            raise StageFailed(f"{name}: {exc}") from exc
         finish(out, proof, result, started, time.time())
         say(name, "done", f"in {out.record['seconds']:.1f} s")
 
@@ -266,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except StorageError as exc:
+    except (StageFailed, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -88,10 +88,11 @@ def build_tasks(
         doc_to_text="",
         doc_to_target="{{text}}",
         should_decontaminate=False,
+        # The harness's own aggregations for these metrics, spelled out so that it does not warn about each one.
         metric_list=[
-            {"metric": "word_perplexity"},
-            {"metric": "byte_perplexity"},
-            {"metric": "bits_per_byte"},
+            {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+            {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
         ],
     )  # fmt: skip
     cloze = task_yaml(

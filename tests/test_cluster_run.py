@@ -185,6 +185,18 @@ def test_a_finished_output_that_no_longer_verifies_is_redone(chain: dict[str, An
 
 
 @pytest.mark.ray
+def test_a_stage_that_fails_says_why_in_one_line(chain: dict[str, Any]) -> None:
+    # Two val documents are too few for the cloze task's four choices: the eval stage's own error.
+    done = subprocess.run(
+        cli(chain["spec"], "--until", "eval", "--set", "eval.items=2"), cwd=REPO, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^\[eval\s*\] failed", done.stdout, re.MULTILINE)
+    assert "error: eval: need 4+ val documents" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.ray
 def test_on_a_bucket_a_chain_killed_in_training_and_submitted_again_ends_like_the_local_one(
     chain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
