@@ -123,6 +123,10 @@ class Chain:
         import ray
 
         if not ray.is_initialized():
+            # Serve's replicas, controller and proxies log to their files under the Ray session's logs/serve/, not
+            # to this job's output, where their access lines would cut into the report and the streamed completion.
+            # A local Ray's workers inherit this environment; a cluster's get it from cluster/jobs/runtime_env.yaml.
+            os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
             ray.init(address=self.address)
             self.started_ray = True
 
@@ -179,6 +183,7 @@ def run_chain(job: Job, until: str, address: str | None = None) -> int:
         lineage = write_lineage(job, root, done)
         say("lineage", "written", f"{root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
         if until == "serve":
+            chain.ensure_ray()  # this job's Ray, also when every stage before was skipped
             return serve_stage(job, done, lineage["model_id"])
         return 0
     finally:

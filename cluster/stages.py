@@ -25,6 +25,7 @@ from typing import Any
 
 from cluster.run_spec import Job
 from ground.hashing import sha256_json, sha256_stream
+from ground.logsetup import stderr_console
 from ground.storage import Location, is_published, publish
 
 log = logging.getLogger("cluster.run")
@@ -116,13 +117,11 @@ def curate_material(job: Job) -> tuple[dict[str, Any], Any]:
 
 
 def run_curate(job: Job, out: Location, gathered: Any, resume: bool) -> tuple[list[str], dict[str, Any]]:
-    from rich.console import Console
-
     from pipeline.executor import PipelineRun
 
     data = job.spec.data
     run = PipelineRun(
-        data.inputs, out.uri, job.pipeline, console=Console(stderr=True), input_list=data.input_list,
+        data.inputs, out.uri, job.pipeline, console=stderr_console(), input_list=data.input_list,
         base_url=data.base_url, resume=resume, prepared=gathered,
     )  # fmt: skip
     report = run.run()

@@ -26,6 +26,18 @@ PROGRESS_LOG_EVERY_S = 30.0
 _MARK = "_raylm_handler"  # set on our handler, so a second call does not add another
 
 
+# Columns of a console that is not a terminal: rich would wrap a report table at 80 in `ray job logs` and CI.
+LOG_COLUMNS = 160
+
+
+def stderr_console() -> Console:
+    """The rich console on stderr every CLI draws its progress and report tables on: the terminal's width in a
+    terminal, ``LOG_COLUMNS`` elsewhere (a job's log, CI), so that a table's row stays one line."""
+    from rich.console import Console
+
+    return Console(stderr=True, width=None if sys.stderr.isatty() else LOG_COLUMNS)
+
+
 def _handler(console: Console | None) -> logging.Handler:
     handler: logging.Handler
     if console.is_terminal if console is not None else sys.stderr.isatty():

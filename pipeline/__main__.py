@@ -8,7 +8,7 @@ import sys
 
 from rich.console import Console
 
-from ground.logsetup import setup_logging
+from ground.logsetup import setup_logging, stderr_console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = stderr_console()
     setup_logging(console=console)
     from ground.storage import StorageError
     from pipeline.errors import PipelineInputError, PipelineOutputError

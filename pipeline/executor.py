@@ -31,6 +31,7 @@ from rich.console import Console
 from tokenizers import Tokenizer
 
 from ground.formats import EOT
+from ground.logsetup import stderr_console
 from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
@@ -114,7 +115,7 @@ class PipelineRun:
             self.output = Location(output)
         except StorageError as err:
             raise PipelineOutputError(str(err)) from err
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.pass_seconds: dict[str, float] = {}
         self.blocklist = gathered.blocklist
         self.contamination = gathered.contamination

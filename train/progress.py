@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ground.logsetup import PROGRESS_LOG_EVERY_S
+from ground.logsetup import PROGRESS_LOG_EVERY_S, stderr_console
 from ground.storage import Location, StorageError
 from train.metrics import METRICS_FILE
 
@@ -60,7 +60,7 @@ class RunProgress:
         self.log_every_s = log_every_s
         self._poll_s = REMOTE_POLL_S if self.metrics.is_remote else POLL_S
         self.total_steps = total_steps
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self._progress = Progress(
             TextColumn("[bold cyan]train"),
             BarColumn(),
