@@ -119,6 +119,9 @@ def curate_material(job: Job) -> tuple[dict[str, Any], Any]:
 def run_curate(job: Job, out: Location, gathered: Any, resume: bool) -> tuple[list[str], dict[str, Any]]:
     from pipeline.executor import PipelineRun
 
+    if is_published(out, "manifest.json"):  # finished, and the job was stopped before it recorded the stage
+        report = out.join("report.json").read_json()
+        return ["manifest.json"], {"input": report["input"], "output": report["output"]}
     data = job.spec.data
     run = PipelineRun(
         data.inputs, out.uri, job.pipeline, console=stderr_console(), input_list=data.input_list,
@@ -140,12 +143,14 @@ def run_train(job: Job, out: Location, curated: StageOutput, resume: bool) -> tu
     from train.config import config_from_dict
     from train.launch import launch
 
+    proof = ["summary.json", "final/final.json"]
+    if all(out.join(name).is_file() for name in proof):  # finished, and the job was stopped before recording it
+        return proof, out.join("summary.json").read_json()
     config = job.train.to_dict()
     config["data_dir"] = curated.location.uri
     config["output_dir"] = out.uri
     config["checkpoint"]["resume"] = resume
-    summary = launch(config_from_dict(config))
-    return ["summary.json", "final/final.json"], summary
+    return proof, launch(config_from_dict(config))
 
 
 EXPORT_FORMATS = ("raylm", "hf")
@@ -159,7 +164,8 @@ def run_export(out: Location, trained: StageOutput) -> tuple[list[str], dict[str
     from train.export import LINEAGE, export
 
     for fmt in EXPORT_FORMATS:
-        export(trained.location.uri, out.join(fmt).uri, fmt)
+        if not out.join(fmt, LINEAGE).is_file():  # lineage.json is written last: a format with it is complete
+            export(trained.location.uri, out.join(fmt).uri, fmt)
     return [f"{fmt}/{LINEAGE}" for fmt in EXPORT_FORMATS], {"formats": list(EXPORT_FORMATS)}
 
 

@@ -100,7 +100,10 @@ DESIGN_COMMANDS = {
     "submit_pipeline.sh": ["python -m pipeline run --input", "--output"],
     "submit_train.sh": ["python -m train --data", "--strategy", "--workers", "--steps", "python -m train.export --run"],
     "submit_serve.sh": ["python -m serve --model", "python -m serve.canary --endpoint", "--evalset"],
+    "submit_job.sh": ["python -m cluster.run cluster/jobs/demo.yaml --address auto --set root=s3://bucket/raylm"],
 }
+# Arguments a snippet takes: the job snippet, a spec.
+SNIPPET_ARGS = {"submit_job.sh": ["cluster/jobs/demo.yaml"]}
 
 
 def test_every_stage_has_a_snippet() -> None:
@@ -131,7 +134,8 @@ def _recorded_submissions(snippet: Path, tmp_path: Path, env: dict[str, str]) ->
     )
     fake.chmod(0o755)
     path = f"{fake.parent}:/usr/bin:/bin"
-    subprocess.run(["bash", str(snippet)], cwd=ROOT, env={"PATH": path, **env}, check=True)
+    argv = ["bash", str(snippet), *SNIPPET_ARGS.get(snippet.name, [])]
+    subprocess.run(argv, cwd=ROOT, env={"PATH": path, **env}, check=True)
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -176,14 +180,14 @@ def test_snippets_hand_data_over_through_root_and_refuse_to_run_without_it(snipp
     calls = _recorded_submissions(snippet, tmp_path, SNIPPET_ENV)
     # Every path a stage writes or reads from another stage is under ROOT: no node-local path crosses a job.
     handed = [
-        a
+        a.removeprefix("root=")
         for argv in calls
         for flag, a in itertools.pairwise(argv)
-        if flag in ("--output", "--data", "--run", "--model")
+        if flag in ("--output", "--data", "--run", "--model") or (flag == "--set" and a.startswith("root="))
     ]
-    assert handed and all(a.startswith("s3://bucket/raylm/") for a in handed), handed
+    assert handed and all(a == "s3://bucket/raylm" or a.startswith("s3://bucket/raylm/") for a in handed), handed
     missing = subprocess.run(
-        ["bash", str(snippet)],
+        ["bash", str(snippet), *SNIPPET_ARGS.get(snippet.name, [])],
         cwd=ROOT,
         capture_output=True,
         text=True,

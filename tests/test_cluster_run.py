@@ -173,15 +173,28 @@ def test_a_changed_train_key_keeps_the_data_and_redoes_training_and_what_follows
 
 
 @pytest.mark.ray
-def test_a_finished_output_that_no_longer_verifies_is_redone(chain: dict[str, Any]) -> None:
-    scores = Path(chain["lineage"]["eval"]["dir"]) / "scores.json"
+def test_a_finished_output_that_no_longer_verifies_is_redone_and_an_unrecorded_one_is_kept(
+    chain: dict[str, Any],
+) -> None:
+    lineage = chain["lineage"]
+    scores = Path(lineage["eval"]["dir"]) / "scores.json"
     honest = scores.read_bytes()
     scores.write_text(json.dumps({"raylm_val_ppl": {"bits_per_byte": 0.01}}))
+    # A job stopped after the pipeline and the training run finished but before it recorded them: their outputs are
+    # complete, only stage.json is missing.
+    data, run_dir = Path(lineage["data"]["dir"]), Path(lineage["train"]["run_dir"])
+    (data / "stage.json").unlink()
+    (run_dir / "stage.json").unlink()
+    kept = tree(data) | {f"run/{name}": stat for name, stat in tree(run_dir).items()}
     stdout, states = run(chain["spec"], "--until", "eval")
-    assert [states[s] for s in ("curate", "train", "export", "eval")] == ["skipped"] * 3 + ["redoing"]
+    assert [states[s] for s in ("curate", "train", "export", "eval")] == ["resuming", "resuming", "skipped", "redoing"]
     assert "scores.json changed since the stage finished" in stdout
     assert re.search(r"^\[eval\s*\] running", stdout, re.MULTILINE)
     assert scores.read_bytes() == honest  # lm-eval on the same export scores the same
+    # Recorded, not redone: nothing of theirs was rewritten.
+    assert (data / "stage.json").is_file() and (run_dir / "stage.json").is_file()
+    now = tree(data) | {f"run/{name}": stat for name, stat in tree(run_dir).items()}
+    assert {name: now[name] for name in kept} == kept
 
 
 @pytest.mark.ray
