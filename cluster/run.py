@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -29,11 +28,11 @@ from cluster.stages import (
     eval_material,
     export_material,
     finish,
+    keyed,
     run_curate,
     run_eval,
     run_export,
     run_train,
-    stage_location,
     train_material,
     verified,
 )
@@ -42,7 +41,6 @@ from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, parse_set
 from ground.storage import Location, StorageError, discard
 
-log = logging.getLogger("cluster.run")
 LINEAGE = "lineage.json"
 
 
@@ -100,8 +98,7 @@ def keyed_outputs(job: Job) -> tuple[dict[str, StageOutput], Any]:
     outputs: dict[str, StageOutput] = {}
 
     def add(name: str, material: dict[str, Any]) -> StageOutput:
-        key, location = stage_location(root, name, material)
-        outputs[name] = StageOutput(name, key, location)
+        outputs[name] = keyed(root, name, material)
         return outputs[name]
 
     material, gathered = curate_material(job)

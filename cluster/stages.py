@@ -16,7 +16,6 @@ a stage that was cut off: the pipeline resumes it (``--resume``) and training co
 from __future__ import annotations
 
 import datetime
-import logging
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -28,8 +27,6 @@ from ground.hashing import sha256_json, sha256_stream
 from ground.logsetup import stderr_console
 from ground.storage import Location, is_published, publish
 
-log = logging.getLogger("cluster.run")
-
 MARKER = "stage.json"
 KEY_CHARS = 16  # of the sha256: a directory name that reads; 64 bits of it make a collision among a root's runs moot
 
@@ -39,12 +36,14 @@ class StageOutput:
     name: str
     key: str
     location: Location
+    material: dict[str, Any]  # what the key hashes: the stage's effective config and the keys of what it reads
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def stage_location(root: Location, name: str, material: dict[str, Any]) -> tuple[str, Location]:
+def keyed(root: Location, name: str, material: dict[str, Any]) -> StageOutput:
+    """The stage's output, at ``root/<name>/<key>`` where the key hashes ``material``."""
     key = sha256_json({"stage": name, **material})
-    return key, root.join(name, key[:KEY_CHARS])
+    return StageOutput(name, key, root.join(name, key[:KEY_CHARS]), material)
 
 
 def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
@@ -64,7 +63,8 @@ def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def finish(out: StageOutput, proof_files: list[str], result: dict[str, Any], started: float, ended: float) -> None:
-    """Write ``stage.json``, last: the stage's key, what it read, its result, and the proof files' sha256."""
+    """Write ``stage.json``, last: the stage's key and what it hashes (to compare two keys), its result, the proof
+    files' sha256, the code version and timings."""
     files = {}
     for name in proof_files:
         with out.location.join(name).open_input() as stream:
@@ -72,6 +72,7 @@ def finish(out: StageOutput, proof_files: list[str], result: dict[str, Any], sta
     out.record = {
         "stage": out.name,
         "key": out.key,
+        "material": out.material,
         "result": result,
         "files": files,
         "code_version": code_version(),

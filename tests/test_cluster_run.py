@@ -120,6 +120,9 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(
         assert record["stage"] == stage and record["key"].startswith(out.name) and record["files"]
         assert main([str(chain["spec"]), "--where", stage]) == 0
         assert capsys.readouterr().out.strip() == str(out)
+    # What a key hashes is recorded with it: the train key, the effective train config and the data's key.
+    material = json.loads((run_dir / "stage.json").read_text())["material"]
+    assert material["train"]["steps"] == STEPS and material["data"] == lineage["data"]["key"]
 
 
 @pytest.mark.ray
