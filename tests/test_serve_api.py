@@ -66,7 +66,9 @@ def build_faulty(args: dict):  # -> ray.serve.Application
                 if not request.stream:
                     raise RuntimeError("injected by the test: the engine failed")
                 async for item in stream:
-                    yield item
+                    # An item is a batch of SSE events (Ray Serve LLM's stream batching): the first batch can hold the
+                    # whole stream and [DONE], so only its first event goes out before the failure.
+                    yield item[:1]
                     raise RuntimeError("injected by the test: the engine failed mid-stream")
 
             return failing()
