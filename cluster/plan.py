@@ -21,7 +21,7 @@ from cluster.job_spec import JobSpec, load_job_spec
 from cluster.planner import Plan, SizedModelPlan, build_plan
 from ground.gpus import GPUS
 from ground.logsetup import setup_logging
-from ground.overrides import ConfigError, parse_set, validation_problems
+from ground.overrides import ConfigError, add_set_option, parse_set, validation_problems
 
 EXAMPLE = """\
 example job spec (see cluster/jobs/plan_*.yaml):
@@ -78,13 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, metavar="JOB.yaml", help="job spec YAML")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     parser.add_argument("--mfu", type=float, default=None, help="override training.mfu (0 < MFU <= 1)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any job spec key, e.g. --set cluster.gpus=16 --set parallelism.dp=16 (repeatable)",
-    )
+    add_set_option(parser, "job spec key", "--set cluster.gpus=16 --set parallelism.dp=16")
     return parser
 
 

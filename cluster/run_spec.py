@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.job_spec import ClusterSpec
-from ground.overrides import ConfigError, apply_overrides, read_yaml, validation_problems
+from ground.overrides import ConfigError, add_set_option, apply_overrides, read_yaml, validation_problems
 from pipeline.config import PipelineConfig
 from train.config import TrainConfig
 
@@ -182,10 +182,4 @@ def _has(data: Mapping[str, Any], dotted: str) -> bool:
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="the job spec (YAML): root, data, train, eval, serve, cluster")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any spec key, e.g. --set train.steps=400 --set data.tokenize.vocab_size=4096 (repeatable)",
-    )
+    add_set_option(parser, "spec key", "--set train.steps=400 --set data.tokenize.vocab_size=4096")

@@ -7,6 +7,7 @@ Imports only PyYAML and pydantic: the serving and planning CLIs use it without i
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +20,13 @@ M = TypeVar("M", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names the key."""
+
+
+def add_set_option(parser: argparse.ArgumentParser, what: str, example: str) -> None:
+    """Every CLI's ``--set KEY=VALUE`` (repeatable; ``parse_set`` reads what it collects): override any ``what``,
+    e.g. ``example``."""
+    help_text = f"override any {what}, e.g. {example} (repeatable)"
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=help_text)
 
 
 def parse_set(items: Iterable[str]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 
 from ground.logsetup import setup_logging, stderr_console
+from ground.overrides import add_set_option
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,13 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         "or be empty; complete once manifest.json, written last, is there",
     )
     run.add_argument("--config", help="YAML file overriding the defaults (see pipeline/configs/demo.yaml)")
-    run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set dedup.minhash.verify=signature (repeatable)",
-    )
+    add_set_option(run, "config key", "--set dedup.minhash.verify=signature")
     run.add_argument(
         "--overwrite",
         action="store_true",

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ground.logsetup import setup_logging
-from ground.overrides import ConfigError, apply_overrides, build, parse_set
+from ground.overrides import ConfigError, add_set_option, apply_overrides, build, parse_set
 from serve.config import (
     DEFAULT_AUTOSCALING,
     DEFAULT_CANARY_INTERVAL_S,
@@ -144,14 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long the requests in flight get to finish before the open ones are cut (with an "
         "error event); /health and new requests answer 503 meanwhile. 0: cut them at once (default: %(default)s)",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any build_app argument (serve/config.py: AppArgs), applied after the flags, e.g. "
-        "--set autoscaling_config.max_replicas=4 (repeatable)",
-    )
+    add_set_option(
+        parser, "build_app argument (serve/config.py: AppArgs), applied after the flags",
+        "--set autoscaling_config.max_replicas=4",
+    )  # fmt: skip
     return parser
 
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ground.logsetup import setup_logging
-from ground.overrides import parse_set
+from ground.overrides import add_set_option, parse_set
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
 from train.mixture import parse_mixture
@@ -37,13 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, help="Ray Train workers (overrides parallel.workers)")
     parser.add_argument("--steps", type=int, help="optimizer steps (overrides steps)")
     parser.add_argument("--config", help="YAML config, e.g. train/configs/demo.yaml")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config key, e.g. --set optimizer.lr=3e-4 --set parallel.precision=bf16 (repeatable)",
-    )
+    add_set_option(parser, "config key", "--set optimizer.lr=3e-4 --set parallel.precision=bf16")
     parser.add_argument(
         "--resume",
         action="store_true",
