@@ -67,7 +67,6 @@ class EvalSection(_Strict):
     """lm-evaluation-harness on the Hugging Face export (serve/harness_tasks.py), over the canary's eval set."""
 
     items: int = Field(16, gt=0, description="val documents in the canary's eval set (and the harness's ppl task)")
-    max_chars: int = Field(1200, gt=0, description="each item cut to this many characters")
     tasks: list[str] = Field(["raylm_val_ppl", "raylm_val_cloze"], min_length=1)
 
 

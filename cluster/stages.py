@@ -56,19 +56,20 @@ def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
         path = out.join(name)
         if not path.is_file():
             return None, f"{name} is missing"
-        with path.open_input() as stream:
-            if sha256_stream(stream) != digest:
-                return None, f"{name} changed since the stage finished"
+        if _sha256(path) != digest:
+            return None, f"{name} changed since the stage finished"
     return record, None
+
+
+def _sha256(file: Location) -> str:
+    with file.open_input() as stream:
+        return sha256_stream(stream)
 
 
 def finish(out: StageOutput, proof_files: list[str], result: dict[str, Any], started: float, ended: float) -> None:
     """Write ``stage.json``, last: the stage's key and what it hashes (to compare two keys), its result, the proof
     files' sha256, the code version and timings."""
-    files = {}
-    for name in proof_files:
-        with out.location.join(name).open_input() as stream:
-            files[name] = sha256_stream(stream)
+    files = {name: _sha256(out.location.join(name)) for name in proof_files}
     out.record = {
         "stage": out.name,
         "key": out.key,
@@ -122,13 +123,12 @@ def run_curate(job: Job, out: Location, gathered: Any, resume: bool) -> tuple[li
 
     if is_published(out, "manifest.json"):  # finished, and the job was stopped before it recorded the stage
         report = out.join("report.json").read_json()
-        return ["manifest.json"], {"input": report["input"], "output": report["output"]}
-    data = job.spec.data
-    run = PipelineRun(
-        data.inputs, out.uri, job.pipeline, console=stderr_console(), input_list=data.input_list,
-        base_url=data.base_url, resume=resume, prepared=gathered,
-    )  # fmt: skip
-    report = run.run()
+    else:
+        data = job.spec.data
+        report = PipelineRun(
+            data.inputs, out.uri, job.pipeline, console=stderr_console(), input_list=data.input_list,
+            base_url=data.base_url, resume=resume, prepared=gathered,
+        ).run()  # fmt: skip
     return ["manifest.json"], {"input": report["input"], "output": report["output"]}
 
 
