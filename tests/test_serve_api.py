@@ -320,43 +320,54 @@ def test_caps_reject_before_work(base_url: str) -> None:
 
 
 def test_a_near_cap_prompt_does_not_hold_up_a_stream_or_health(base_url: str) -> None:
-    """While a stream runs, a ~1 MB prompt under the character cap is tokenized by the engine (seconds here) and
-    refused for its length; meanwhile /health answers and the stream's chunks keep coming. Events, not a clock:
-    answers and chunks are counted that arrived while the big request was still being worked on."""
+    """While a stream runs, ~1 MB prompts under the character cap are tokenized by the engine (about a second each
+    here) and refused for their length; meanwhile /health answers and the stream's chunks keep coming. Events, not a
+    clock: answers and chunks are counted that arrived while a big request was still being worked on. Ray Serve LLM
+    sends a stream's events in batches, so one short window can fall between two batches: up to `big_tries` big
+    requests are sent one after another while the stream runs, and it is a failure only if no window saw a chunk."""
+    big_tries = 6
     corpus = " ".join(documents())
     big = (corpus * (MAX_PROMPT_CHARS // len(corpus) + 1))[: MAX_PROMPT_CHARS - 10]
     body = {"prompt": "Long", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
-    big_done, started, stop = threading.Event(), threading.Event(), threading.Event()
+    started, stream_over, stop = threading.Event(), threading.Event(), threading.Event()
+    in_flight = threading.Event()  # set only while a big request is being worked on
     chunks_during: list[int] = []
 
     def consume() -> None:
         auth = {"Authorization": f"Bearer {API_KEY}"}
-        with requests.post(f"{base_url}/v1/completions", json=body, headers=auth, stream=True, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line:
-                    started.set()
-                    if in_flight.is_set() and not big_done.is_set():
-                        chunks_during.append(1)
-                if stop.is_set():
-                    return
+        try:
+            with requests.post(f"{base_url}/v1/completions", json=body, headers=auth, stream=True, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        started.set()
+                        if in_flight.is_set():
+                            chunks_during.append(1)
+                    if stop.is_set():
+                        return
+        finally:
+            stream_over.set()
 
-    in_flight = threading.Event()
-    health_during = 0
+    health_during, refusals = 0, []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         streaming = pool.submit(consume)
         assert started.wait(120), "the stream never started"
-        in_flight.set()
-        big_request = pool.submit(post, base_url, prompt=big, max_tokens=1)
-        big_request.add_done_callback(lambda _: big_done.set())
-        while not big_done.is_set():
-            assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
-            health_during += not big_done.is_set()
-            time.sleep(0.05)
-        resp = big_request.result()
+        for _ in range(big_tries):
+            if chunks_during or stream_over.is_set():
+                break
+            big_done = threading.Event()
+            in_flight.set()
+            big_request = pool.submit(post, base_url, prompt=big, max_tokens=1)
+            big_request.add_done_callback(lambda _, done=big_done: (in_flight.clear(), done.set()))
+            while not big_done.is_set():
+                assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
+                health_during += not big_done.is_set()
+                time.sleep(0.05)
+            refusals.append(big_request.result())
         stop.set()
         streaming.result()
-    assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"], resp.text
-    assert health_during >= 1 and chunks_during, (health_during, len(chunks_during))
+    for resp in refusals:
+        assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"], resp.text
+    assert health_during >= 1 and chunks_during, (len(refusals), health_during, len(chunks_during))
 
 
 # ---- every response counted once --------------------------------------------------------------------------------
