@@ -22,6 +22,30 @@ class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names the key."""
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that YAML 1.1's base-60 numbers stay the text they are: ``3:5`` would read
+    as 185, and a step window like ``profile.steps=3:5`` must reach the config as written. (YAML 1.2, which
+    every other YAML reader follows, dropped base 60.)"""
+
+
+def _number_unless_base_60(loader: ConfigLoader, node: yaml.ScalarNode) -> Any:
+    text = loader.construct_scalar(node)
+    if ":" in text:
+        return text
+    if node.tag.endswith(":int"):
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    return yaml.SafeLoader.construct_yaml_float(loader, node)
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _number_unless_base_60)
+ConfigLoader.add_constructor("tag:yaml.org,2002:float", _number_unless_base_60)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as configs read it (``ConfigLoader``)."""
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: no arbitrary objects
+
+
 def add_set_option(parser: argparse.ArgumentParser, what: str, example: str) -> None:
     """Every CLI's ``--set KEY=VALUE`` (repeatable; ``parse_set`` reads what it collects): override any ``what``,
     e.g. ``example``."""
@@ -42,7 +66,7 @@ def parse_set(items: Iterable[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key.strip()] = load_yaml(value)
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: cannot parse {value!r} ({exc})") from exc
     return out
@@ -66,7 +90,7 @@ def read_yaml(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = load_yaml(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     if loaded is not None and not isinstance(loaded, dict):

@@ -122,6 +122,7 @@ class RayLMIngress(OpenAiIngress):
             port=args.metrics_port,
             sd_dir=args.metrics_sd_dir,
             instance_name=self.replica,
+            engine_replica_usd_per_hour=args.engine_replica_usd_per_hour(),
         )
         metrics_at = f"{self.metrics.host}:{self.metrics.port}"
         log.info("serving %s (lineage %s), metrics on %s", export.name, export.lineage_id, metrics_at)

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ground.cost import CostConfig
 from ground.scrape_targets import DEFAULT_SD_DIR
 
 # Sequences decoded together per replica (vLLM's max_num_seqs); vLLM queues the rest.
@@ -114,6 +115,14 @@ class AppArgs(BaseModel):
     chat_message_template: str = DEFAULT_CHAT_MESSAGE_TEMPLATE
     chat_assistant_prefix: str = DEFAULT_CHAT_ASSISTANT_PREFIX
     chat_stop: tuple[str, ...] = DEFAULT_CHAT_STOP
+    # Prices (ground.cost): with one set, the ingress exports what an engine replica (replica_gpus GPUs,
+    # replica_cpus CPUs) costs per hour, and the dashboard shows the spend rate, USD per 1M output tokens and per
+    # request from the measured throughput.
+    cost: CostConfig = Field(default_factory=CostConfig)
+
+    def engine_replica_usd_per_hour(self) -> float | None:
+        """What one engine replica's reservation costs per hour at ``cost``'s prices (None: no price set)."""
+        return self.cost.hourly_usd(gpus=self.replica_gpus, cpus=self.replica_cpus)
 
     @field_validator("chat_message_template")
     @classmethod

@@ -9,6 +9,9 @@ only it sees, per request as the client sees it:
 
     raylm.server.requests            counter      -> raylm_server_requests_total{status_code, finish_reason}
     gen_ai.server.request.duration   histogram s  -> gen_ai_server_request_duration_seconds_*
+    raylm.serve.engine_replica.usd_per_hour  gauge -> raylm_serve_engine_replica_usd_per_hour (what one engine
+                                                  replica's reservation costs at the configured prices; absent
+                                                  without one; × the engine replicas running = the spend rate)
 
 Why this route: OTel's Prometheus exporter has no multiprocessing support and every Ray Serve replica is its own
 process, so each replica gets its own MeterProvider and ``prometheus_client`` registry (``ground.otel_meter``) and its
@@ -66,6 +69,7 @@ class ServeMetrics:
         port: int = 0,
         sd_dir: str | Path | None = DEFAULT_SD_DIR,
         instance_name: str | None = None,
+        engine_replica_usd_per_hour: float | None = None,
     ) -> None:
         self.attrs = {
             "gen_ai.operation.name": OPERATION,
@@ -83,6 +87,12 @@ class ServeMetrics:
         self.requests = meter.create_counter(
             "raylm.server.requests", unit="{request}", description="Finished requests by HTTP status and finish reason."
         )
+        if engine_replica_usd_per_hour is not None:
+            price = meter.create_gauge(
+                "raylm.serve.engine_replica.usd_per_hour",
+                description="USD per hour of one engine replica's reservation (GPUs, CPUs) at the configured prices.",
+            )
+            price.set(engine_replica_usd_per_hour, self.attrs)
         instance = instance_name or f"pid{os.getpid()}"
         self.endpoint = ScrapeEndpoint(
             self.registry, host=host, port=port, sd_dir=sd_dir, filename=f"raylm-serve-{safe_name(instance)}.json",

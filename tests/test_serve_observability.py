@@ -69,6 +69,8 @@ TOKEN_COUNTS = {
     ),
 }
 
+USD_PER_CPU_HOUR = 0.048
+
 log = logging.getLogger(__name__)
 
 
@@ -107,6 +109,7 @@ def stack(tiny_export, evalset, tmp_path_factory):
         "canary_endpoint": f"http://127.0.0.1:{port}",
         # The trained model scores about -4.7 nats/token on these items, the shuffled one about -6.5.
         "canary_min_score": -5.8,
+        "cost": {"usd_per_cpu_hour": USD_PER_CPU_HOUR},  # the cost panels' price
     }
     with pytest.MonkeyPatch.context() as env:
         # Read by every Ray process at start (raylet, workers, the metrics agent): Ray's export every 1 s.
@@ -310,6 +313,16 @@ def test_every_dashboard_panel_query_returns_data(stack) -> None:
                 assert query(prom, expand(expr, "other-model")) == [], f"panel {panel['title']!r} ignores $model"
                 filtered += 1
     assert checked >= 30 and filtered >= 25, (checked, filtered)
+
+
+def test_the_spend_rate_is_one_engine_replicas_price_times_the_replicas_running(stack) -> None:
+    _, prom, args = stack
+    # One engine replica reserving replica_cpus (1 by default) CPUs at the configured price; one replica running.
+    price = wait_for(lambda: scalar(prom, "raylm_serve_engine_replica_usd_per_hour"), what="the price in Prometheus")
+    assert price == USD_PER_CPU_HOUR * 1.0
+    dashboard = json.loads((DASHBOARDS / "grafana" / "raylm-serving.json").read_text())
+    (spend,) = [p for p in dashboard["panels"] if p["title"] == "Cost: spend rate (USD/h)"]
+    assert scalar(prom, spend["targets"][0]["expr"].replace("$model", ".*")) == price * args["num_replicas"]
 
 
 def test_canary_cli_once_scores_the_live_endpoint(stack, evalset) -> None:

@@ -43,9 +43,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+USD_PER_CPU_HOUR = 0.05
+
+
 def run_config(data: Path, out: Path, strategy: str, workers: int):
     overrides = tiny_overrides(data, out, steps=STEPS)
     overrides |= {"parallel.strategy": strategy, "parallel.workers": workers, "guard.sync_check_interval": 1}
+    overrides["cost.usd_per_cpu_hour"] = USD_PER_CPU_HOUR  # summary.json's cost (no effect on the training)
     return load_config(None, overrides)
 
 
@@ -140,6 +144,12 @@ def test_metrics_follow_the_run_dir_contract(runs: dict[str, Path]) -> None:
         assert (path / "loss_curve.png").stat().st_size > 1000
     summary = json.loads((runs["ddp"] / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["last_loss"] < summary["first_loss"]
+    # The reservation priced: 2 workers × 1 CPU each; the fit's wall time at that rate; 1B tokens at its speed.
+    cost = summary["cost"]
+    assert cost["usd_per_hour"] == pytest.approx(2 * 1 * USD_PER_CPU_HOUR)
+    assert 0 < cost["usd"] < cost["usd_per_hour"]  # a run of well under an hour
+    per_billion = cost["usd_per_hour"] / (summary["mean_tokens_per_s"] * 3600) * 1e9
+    assert cost["usd_per_billion_tokens"] == pytest.approx(per_billion)
 
 
 @pytest.mark.parametrize("name", ["single", "fsdp"])

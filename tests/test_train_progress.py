@@ -36,3 +36,16 @@ def test_the_line_follows_metrics_jsonl_as_rank_0_writes_it(tmp_path: Path, capl
     assert lines[0].startswith("step 2/10 loss 4.5000 | val 4.8000 | 1,001 tok/s ETA"), lines
     assert lines[1].startswith("step 3/10 loss 4.2500 | val 4.8000 | 1,002 tok/s ETA"), lines  # val carried forward
     assert lines[-1].startswith("step 1/10 loss 5.0000"), lines
+
+
+def test_with_a_price_the_line_shows_what_1b_tokens_cost_at_the_current_speed(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="train")
+    progress = RunProgress(
+        tmp_path, total_steps=10, console=Console(file=io.StringIO(), force_terminal=False), log_every_s=0.0,
+        usd_per_hour=7.2,
+    )  # fmt: skip
+    (tmp_path / METRICS_FILE).write_text(record(0, 5.0) + record(1, 4.5))
+    progress.poll()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "train.progress"]
+    # 1,001 tokens/s for an hour at $7.20: $7.20 / 3,603,600 tokens, so $1,998.00 per 1B tokens.
+    assert line.startswith("step 2/10 loss 4.5000 | 1,001 tok/s | $1,998.00/1B tok ETA"), line

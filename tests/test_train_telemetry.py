@@ -148,12 +148,15 @@ def test_scrape_reports_exactly_what_the_steps_recorded(rank1: TrainTelemetry) -
     assert value(s, "raylm_train_memory_peak_rss_bytes") == 9
 
 
-def test_values_absent_until_measured_and_the_start_time_as_first_checkpoint(rank1: TrainTelemetry) -> None:
+def test_values_absent_until_measured_and_the_start_time_as_first_checkpoint(
+    rank1: TrainTelemetry, ddp_config: TrainConfig
+) -> None:
     s = scrape(rank1.endpoint.url)
     for name in ("raylm_train_loss", "raylm_train_val_loss", "raylm_train_mfu", "raylm_train_step",
                  "raylm_train_memory_peak_bytes", "raylm_train_checkpoint_stall_seconds",
-                 "raylm_train_checkpoint_interval_seconds"):  # fmt: skip
-        assert name not in s, name  # absent, not zero: a zero loss or MFU would be a measurement
+                 "raylm_train_checkpoint_interval_seconds", "raylm_train_cost_usd_per_hour"):  # fmt: skip
+        assert name not in s, name  # absent, not zero: a zero loss, MFU or price (none set) would be a measurement
+    assert value(s, "raylm_train_steps_planned") == ddp_config.steps
     # Counters exist at 0 from the start, so that increase() sees the first skipped step or rollback.
     for name in ("raylm_train_steps_total", "raylm_train_steps_skipped_total", "raylm_train_rollbacks_total"):
         assert value(s, name) == 0
@@ -265,6 +268,7 @@ def test_training_dashboard_is_provisionable_json_with_the_required_panels() -> 
         "raylm_train_data_wait_seconds_total", "raylm_train_sync_wait_seconds_total",
         "raylm_train_last_checkpoint_timestamp_seconds", "raylm_train_checkpoint_stall_seconds",
         "raylm_train_steps_skipped_total", "raylm_train_rollbacks_total", "raylm_train_memory_peak_bytes",
+        "raylm_train_cost_usd_per_hour", "raylm_train_steps_planned",
     ):  # fmt: skip
         assert needle in exprs, needle
     for panel in panels:
@@ -279,6 +283,7 @@ def test_training_dashboard_is_provisionable_json_with_the_required_panels() -> 
 # ---- end to end: a real Prometheus scraping a real training run -------------------------------------------------
 
 RUN_ID = "telemetry-e2e"
+USD_PER_CPU_HOUR = 0.048
 POISON_AT = 24  # after steps 9 and 19 saved checkpoints and evaluated, so every panel has data
 
 
@@ -297,6 +302,7 @@ def nan_run(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "metrics.run_id": RUN_ID,
             "metrics.sd_dir": str(sd_dir),
             "metrics.peak_flops_per_device": 1e11,  # so that a CPU run reports an MFU for its panel
+            "cost.usd_per_cpu_hour": USD_PER_CPU_HOUR,  # so that the cost panels have data
             "checkpoint.interval_steps": 10,
             "guard.max_consecutive_bad": 10_000,  # keep training on NaN: the alert, not the guard, is under test
         }),
@@ -320,6 +326,8 @@ def nan_run(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             seen["healthy_alerts"] = alerts(prom)
             seen["healthy_tokens"] = scalar(prom, f'sum(raylm_train_tokens_total{{raylm_run_id="{RUN_ID}"}})')
             seen["healthy_loss"] = scalar(prom, f'raylm_train_loss{{raylm_run_id="{RUN_ID}"}}')
+            seen["usd_per_hour"] = scalar(prom, f'raylm_train_cost_usd_per_hour{{raylm_run_id="{RUN_ID}"}}')
+            seen["steps_planned"] = scalar(prom, f'raylm_train_steps_planned{{raylm_run_id="{RUN_ID}"}}')
             seen["up"] = query(prom, f'up{{job="raylm-train",raylm_run_id="{RUN_ID}",raylm_rank="0"}}')
             seen["healthy_s"] = time.monotonic() - started
 
@@ -360,6 +368,9 @@ def test_prometheus_sees_the_healthy_run_with_its_labels_and_tokens(nan_run: dic
     # One rank: its share is the global count, every step's global batch of tokens.
     assert nan_run["healthy_tokens"] == POISON_AT * trainer.tokens_per_step
     assert math.isfinite(nan_run["healthy_loss"])
+    # The run's plan and price as configured: one worker reserving one CPU, 10,000 steps.
+    assert nan_run["usd_per_hour"] == USD_PER_CPU_HOUR * trainer.config.parallel.cpus_per_worker
+    assert nan_run["steps_planned"] == trainer.config.steps
     (loss,) = query(nan_run["prom"], f'raylm_train_loss{{raylm_run_id="{RUN_ID}"}}')
     # The target's labels and the series' own agree: no exported_* copies (honor_labels in prometheus.yml).
     assert not [k for k in loss["metric"] if k.startswith("exported_")], loss["metric"]

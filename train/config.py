@@ -11,9 +11,10 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from checkpoints.config import CheckpointConfig
+from ground.cost import CostConfig
 from ground.overrides import ConfigError, build, load
 from ground.scrape_targets import DEFAULT_SD_DIR
 from train.model import GPTConfig
@@ -28,6 +29,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "STRATEGIES",
     "CheckpointConfig",
     "ConfigError",
+    "CostConfig",
     "DataConfig",
     "GPTConfig",
     "GuardConfig",
@@ -36,6 +38,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "OptimizerConfig",
     "ParallelConfig",
     "Precision",
+    "ProfileConfig",
     "Strategy",
     "TrainConfig",
     "config_from_dict",
@@ -154,6 +157,32 @@ class GuardConfig(_Section):
     sync_check_interval: int = Field(0, ge=0)  # steps between replica-consistency checks (0: only at the end)
 
 
+class ProfileConfig(_Section):
+    """torch.profiler over a window of steps (train.profiler); off unless ``steps`` is set."""
+
+    # "START:END": optimizer steps START to END-1, as Python slices them; "" profiles nothing.
+    steps: str = ""
+    ranks: list[int] | None = None  # the ranks that profile; None: every rank
+    top_ops: int = Field(15, ge=1)  # rows of the top-ops table each profiled rank logs
+
+    @field_validator("steps")
+    @classmethod
+    def _start_end(cls, value: str) -> str:
+        if value:
+            start, sep, end = value.partition(":")
+            if not (sep and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end)):
+                raise ValueError(f"{value!r} is not START:END with 0 <= START < END (steps START to END-1)")
+        return value
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """(START, END) of the profiled steps, END excluded; None when profiling is off."""
+        if not self.steps:
+            return None
+        start, _, end = self.steps.partition(":")
+        return int(start), int(end)
+
+
 class TrainConfig(_Section):
     model: GPTConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -162,6 +191,10 @@ class TrainConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    # Prices (ground.cost): with one set, the progress line, summary.json and the dashboard show what the run
+    # costs, per 1B tokens and to finish. A worker reserves 1 GPU (parallel.use_gpu) and cpus_per_worker CPUs.
+    cost: CostConfig = Field(default_factory=CostConfig)
     steps: int = Field(200, ge=1)
     data_dir: str = ""
     output_dir: str = ""
@@ -186,6 +219,16 @@ class TrainConfig(_Section):
                     f"global_batch_size {d.global_batch_size} is too small to mix {len(d.mixture)} sources: "
                     f"it needs global_batch_size × (largest weight share) >= sources - 1"
                 )
+        window = self.profile.window
+        if window is not None and window[1] > self.steps:
+            raise ValueError(
+                f"profile.steps {self.profile.steps} runs past the run's last step (steps={self.steps}: 0 to "
+                f"{self.steps - 1})"
+            )
+        if self.profile.ranks is not None and any(not 0 <= r < p.workers for r in self.profile.ranks):
+            raise ValueError(
+                f"profile.ranks {self.profile.ranks} names a rank the run does not have (parallel.workers={p.workers})"
+            )
         if self.checkpoint.rollback_after_bad > 0 and not self.checkpoint.enabled:
             raise ValueError("checkpoint.rollback_after_bad needs checkpoint.enabled")
         if p.min_workers is not None and p.min_workers > p.workers:
@@ -223,6 +266,16 @@ class TrainConfig(_Section):
                 f"× world size ({self.data.micro_batch_size} × {world_size})"
             )
         return self.data.global_batch_size // per_micro_step
+
+    def worker_usd_per_hour(self) -> float | None:
+        """What one worker's reservation costs per hour at ``cost``'s prices (None: no price set)."""
+        p = self.parallel
+        return self.cost.hourly_usd(gpus=1 if p.use_gpu else 0, cpus=p.cpus_per_worker)
+
+    def run_usd_per_hour(self) -> float | None:
+        """What the run's ``parallel.workers`` workers cost per hour (an elastic run on fewer costs less)."""
+        worker = self.worker_usd_per_hour()
+        return None if worker is None else worker * self.parallel.workers
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what config.yaml, manifests and the Ray workers receive)."""

@@ -58,8 +58,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     def fmt(value: Any, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    return (
+    text = (
         f"steps {summary['steps']}: loss {fmt(summary['first_loss'], '.4f')} -> {fmt(summary['last_loss'], '.4f')} "
         f"(min {fmt(summary['min_loss'], '.4f')}), val loss {fmt(summary['last_val_loss'], '.4f')}, "
         f"{fmt(summary['mean_tokens_per_s'], ',.0f')} tokens/s, {summary['skipped_steps']} skipped steps"
     )
+    cost = summary.get("cost")  # train.launch adds it when a price is set
+    if cost is not None:
+        text += f", cost ${cost['usd']:,.4g} (${fmt(cost['usd_per_billion_tokens'], ',.2f')} per 1B tokens)"
+    return text

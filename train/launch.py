@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 import ray
@@ -13,6 +14,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from checkpoints.store import storage_path
+from ground.cost import SECONDS_PER_HOUR, usd_per_unit
 from train.config import TrainConfig
 from train.curves import summarize
 from train.preflight import check_checkpoints, check_data, check_extras, check_locations, check_output, check_resources
@@ -50,6 +52,16 @@ def ray_scaling_config(config: TrainConfig) -> ScalingConfig:
         resources_per_worker=resources,
         elastic_resize_monitor_interval_s=p.elastic_resize_interval_s,
     )
+
+
+def run_cost(usd_per_hour: float, fit_s: float, tokens_per_s: float | None) -> dict[str, Any]:
+    """summary.json's ``cost``: the reservation's hourly price, what the fit cost (its whole wall time, start-up
+    and restarts included: the workers are reserved through them) and 1B tokens at the run's mean speed."""
+    return {
+        "usd_per_hour": usd_per_hour,
+        "usd": usd_per_hour * fit_s / SECONDS_PER_HOUR,
+        "usd_per_billion_tokens": usd_per_unit(usd_per_hour, tokens_per_s or 0.0, per=1e9),
+    }
 
 
 def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCallback | None = None) -> dict[str, Any]:
@@ -90,11 +102,20 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
             failure_config=FailureConfig(max_failures=config.checkpoint.max_failures),
         ),
     )
-    progress = RunProgress(output, config.steps) if config.metrics.progress else contextlib.nullcontext()
+    usd_per_hour = config.run_usd_per_hour()
+    progress = (
+        RunProgress(output, config.steps, usd_per_hour=usd_per_hour)
+        if config.metrics.progress
+        else contextlib.nullcontext()
+    )
+    started = time.monotonic()
     with progress:
         trainer.fit()  # a failure Ray Train gave up on raises its report, with every worker's traceback
+    fit_s = time.monotonic() - started
     raise_recorded_stop(output)  # the workers' own verdict, recorded instead of raised: train.stop_verdict
     summary = summarize(output.uri)
+    if usd_per_hour is not None:
+        summary["cost"] = run_cost(usd_per_hour, fit_s, summary["mean_tokens_per_s"])
     output.join("summary.json").write_text(json.dumps(summary, indent=2))
     log.info("run dir %s", output)
     return summary

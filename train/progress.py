@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ground.cost import SECONDS_PER_HOUR, usd_per_unit
 from ground.logsetup import PROGRESS_LOG_EVERY_S, stderr_console
 from ground.storage import Location, StorageError
 from train.metrics import METRICS_FILE
@@ -34,13 +35,18 @@ POLL_S = 1.0
 REMOTE_POLL_S = 10.0  # rank 0 uploads metrics.jsonl at reports and checkpoints only: polling faster finds nothing
 
 
-def describe(record: dict[str, Any], val_loss: float | None) -> str:
-    """The numbers after the bar: loss, val loss (the latest known), tokens/s."""
+def describe(record: dict[str, Any], val_loss: float | None, usd_per_hour: float | None = None) -> str:
+    """The numbers after the bar: loss, val loss (the latest known), tokens/s, and with a price the cost of 1B
+    tokens at that speed."""
     loss = record.get("loss")
     parts = [f"loss {loss:.4f}" if isinstance(loss, float) else "loss nan"]
     if val_loss is not None:
         parts.append(f"val {val_loss:.4f}")
-    parts.append(f"{record.get('tokens_per_s', 0.0):,.0f} tok/s")
+    tokens_per_s = record.get("tokens_per_s", 0.0)
+    parts.append(f"{tokens_per_s:,.0f} tok/s")
+    per_billion = None if usd_per_hour is None else usd_per_unit(usd_per_hour, tokens_per_s, per=1e9)
+    if per_billion is not None:
+        parts.append(f"${per_billion:,.2f}/1B tok")
     if record.get("skipped"):
         parts.append("SKIPPED")
     return " | ".join(parts)
@@ -55,11 +61,14 @@ class RunProgress:
         total_steps: int,
         console: Console | None = None,
         log_every_s: float = PROGRESS_LOG_EVERY_S,
+        usd_per_hour: float | None = None,
     ) -> None:
+        """``usd_per_hour``: what the run costs per hour (``TrainConfig.run_usd_per_hour``); None shows no cost."""
         self.metrics = Location(run_dir).join(METRICS_FILE)
         self.log_every_s = log_every_s
         self._poll_s = REMOTE_POLL_S if self.metrics.is_remote else POLL_S
         self.total_steps = total_steps
+        self.usd_per_hour = usd_per_hour
         self.console = console or stderr_console()
         self._progress = Progress(
             TextColumn("[bold cyan]train"),
@@ -122,13 +131,15 @@ class RunProgress:
         return self._last
 
     def _show(self, record: dict[str, Any]) -> None:
-        numbers = describe(record, self._val_loss)
+        numbers = describe(record, self._val_loss, self.usd_per_hour)
         self._progress.update(self._task, completed=record["step"] + 1, numbers=numbers)
         now = time.monotonic()
         if not self.console.is_terminal and now - self._last_log >= self.log_every_s:
             self._last_log = now
             task = self._progress.tasks[0]
             eta = f"{task.time_remaining:.0f} s" if task.time_remaining is not None else "?"
+            if task.time_remaining is not None and self.usd_per_hour is not None:
+                eta += f" (${self.usd_per_hour * task.time_remaining / SECONDS_PER_HOUR:,.2f} to finish)"
             log.info("step %d/%d %s ETA %s", record["step"] + 1, self.total_steps, numbers, eta)
 
     def _follow(self) -> None:

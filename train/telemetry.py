@@ -15,6 +15,10 @@ the sd target carries the same two labels (plus ``raylm_component="train"``), so
 Names as Prometheus sees them (OTel instrument -> Prometheus series):
 
     raylm.train.info                      gauge = 1  -> raylm_train_info{raylm_strategy, raylm_world_size}
+    raylm.train.steps.planned             gauge      -> raylm_train_steps_planned (the run's ``steps``)
+    raylm.train.cost.usd_per_hour         gauge      -> raylm_train_cost_usd_per_hour (what this rank's reservation
+                                                        costs at ``cost``'s prices, so the sum over ranks is the
+                                                        run's; absent when no price is set)
     raylm.train.step                      gauge      -> raylm_train_step (0-based index of the step just finished)
     raylm.train.steps                     counter    -> raylm_train_steps_total (optimizer steps, skipped included)
     raylm.train.steps.skipped             counter    -> raylm_train_steps_skipped_total (the guard skipped the update)
@@ -139,6 +143,13 @@ class TrainTelemetry:
 
         info = meter.create_gauge("raylm.train.info", description="1, with the run's strategy and world size.")
         info.set(1, {**self.attrs, "raylm.strategy": config.parallel.strategy, "raylm.world_size": str(world_size)})
+        # Known at start, what the dashboard's cost per token and cost to finish need besides the step rates.
+        planned = meter.create_gauge("raylm.train.steps.planned", unit="{step}", description="The run's steps.")
+        planned.set(config.steps, self.attrs)
+        usd_per_hour = config.worker_usd_per_hour()
+        if usd_per_hour is not None:
+            price = "USD per hour of this rank's reservation (GPU and CPUs) at the configured prices."
+            meter.create_gauge("raylm.train.cost.usd_per_hour", description=price).set(usd_per_hour, self.attrs)
         specs = INSTRUMENTS.items()
         self.counters = {key: self._counter(meter, *spec) for key, (kind, *spec) in specs if kind == "counter"}
         self.gauges = {

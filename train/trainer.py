@@ -57,6 +57,7 @@ from train.parallel import (
     local_digest,
     scale_grads,
 )
+from train.profiler import StepProfiler
 from train.run_dir import RunDir
 from train.shard_verify import ShardVerifier
 from train.watchdog import StepWatchdog, exit_worker
@@ -180,6 +181,7 @@ class Trainer(Stateful):
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
         self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming, run_dir=self.run_dir)
+        self.profiler = StepProfiler.build(config.profile, ctx.rank, ctx.device, self.run_dir)
         self.telemetry = None
         if config.metrics.prometheus:
             from train.telemetry import TrainTelemetry  # OpenTelemetry and an HTTP server, only when asked
@@ -208,7 +210,9 @@ class Trainer(Stateful):
                 self._progress("resume: restoring the latest checkpoint")
                 self.resume()
             while self.step < self.config.steps:
-                self.run_step()
+                # profile.steps: torch.profiler around the steps of its window (train.profiler); off by default
+                with self.profiler.step(self.step) if self.profiler else contextlib.nullcontext():
+                    self.run_step()
             if self.checkpointer is not None:
                 self._progress("committing the last checkpoint")
                 self.checkpointer.close()
