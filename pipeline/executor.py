@@ -19,9 +19,11 @@ documents, edges or tokens: its memory is the input list and one summary per fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
 from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
+from pipeline.metrics import PipelineMetrics
 from pipeline.output import pack_shard, plan_shards, write_empty_rejected
 from pipeline.progress import PassProgress
 from pipeline.report import KeptTokenStats, StageAccounting, print_summary, render_markdown, stage_rows
@@ -46,6 +49,13 @@ from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.tokenize import load_tokenizer, token_dtype, tokenizer_from_json
 
 log = logging.getLogger("pipeline")
+
+# What each Ray Data pass runs, in the name its dataset carries on the Ray dashboard.
+PASS_STEPS = {
+    "filter": "extract, url_filter, language, quality, classifier, decontamination, pii, dedup keys",
+    "dedup": "dedup keys into the index shards",
+    "tokenize": "dedup decisions, tokenize, rejected",
+}
 
 
 class OnRay:
@@ -58,6 +68,34 @@ class OnRay:
 
     def get(self, values: list) -> list:
         return ray.get(values)
+
+
+class IndexSizes:
+    """The dedup index shards' sizes for the run's metrics, asked for at most every ``poll_s`` seconds as files are
+    indexed. The driver never waits on the answer (a size call queues behind the shard's pending adds): it takes
+    the answers that have come back at the next file."""
+
+    def __init__(self, shards: list, metrics: PipelineMetrics, poll_s: float = 5.0) -> None:
+        self.shards, self.metrics, self.poll_s = shards, metrics, poll_s
+        self.pending: list = []
+        self.asked = -math.inf
+
+    def poll(self) -> None:
+        if self.pending:
+            ready, _ = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+            if len(ready) < len(self.pending):
+                return
+            # A shard lost with its node: the pass itself fails on it and is retried (PipelineRun._dedup).
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                self.metrics.index_sizes(ray.get(self.pending))
+            self.pending = []
+        if time.monotonic() - self.asked >= self.poll_s:
+            self.asked = time.monotonic()
+            self.pending = [s.size.remote() for s in self.shards]
+
+    def final(self) -> None:
+        """The sizes once every file is indexed."""
+        self.metrics.index_sizes(ray.get([s.size.remote() for s in self.shards]))
 
 
 def lost_to_a_node(err: BaseException) -> str | None:
@@ -153,10 +191,18 @@ class PipelineRun:
     # ---- passes ----
 
     def _map_files(
-        self, staging: RunStaging | None, name: str, fn: Callable, items: list[dict], fn_kwargs: dict, count_bytes: bool
+        self,
+        staging: RunStaging | None,
+        name: str,
+        fn: Callable,
+        items: list[dict],
+        fn_kwargs: dict,
+        count_bytes: bool,
+        on_file: Callable[[], None] | None = None,
     ) -> list[dict]:
         """Run ``fn`` once per input file not yet done (Ray Data streams them with backpressure). ``fn`` returns
-        ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``."""
+        ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``. Each file's
+        summary goes to the run's metrics as it arrives; ``on_file`` is called after each."""
         finished = staging.finished() if staging is not None else set()
         summaries = {
             it["index"]: staging.read_marker(f"{name}-{it['index']:05d}")
@@ -167,15 +213,21 @@ class PipelineRun:
         total_bytes = sum(it["size"] for it in items) if count_bytes else 0
         done_bytes = sum(s.get("bytes", 0) for s in summaries.values()) if count_bytes else 0
         t0 = time.perf_counter()
+        self.metrics.pass_started(name, len(todo))
         with PassProgress(self.console, name, len(items), total_bytes, len(summaries), done_bytes) as bar:
             if todo:
                 ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(fn, fn_kwargs=fn_kwargs)
+                # The Ray dashboard lists datasets by name: this one says which pass and run it is.
+                ds.set_name(f"raylm {name} ({PASS_STEPS[name]}) for {self.output.name}")  # ASCII: Ray Data needs it
                 for row in ds.iter_rows():
                     summary = json.loads(row["summary"])
                     if "error" in summary:
                         raise TASK_ERRORS[summary["error_type"]](summary["error"])
                     summaries[summary["index"]] = summary
                     bar.advance(1, summary.get("bytes", 0) if count_bytes else 0)
+                    self.metrics.unit_done(name, summary)
+                    if on_file is not None:
+                        on_file()
         self.pass_seconds[name] = time.perf_counter() - t0
         return [summaries[it["index"]] for it in items]
 
@@ -215,6 +267,7 @@ class PipelineRun:
         # on the workers, not on the node that holds the control plane and the job drivers.
         index = ray.remote(BucketIndex).options(num_cpus=0.01, scheduling_strategy="SPREAD")
         shards = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
+        sizes = IndexSizes(shards, self.metrics)
         try:
             # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
             sent = self._map_files(
@@ -224,7 +277,9 @@ class PipelineRun:
                 alive,
                 {"paths": staging.paths, "shards": shards, "config": self.config},
                 False,
+                on_file=sizes.poll,
             )
+            sizes.final()
             resolve_clusters(shards, OnRay())
             written = ray.get(
                 [
@@ -265,6 +320,7 @@ class PipelineRun:
         entries = {name: staging.read_marker(f"pack-{name}") for name, _ in plan if f"pack-{name}" in finished}
         todo = [(name, pieces) for name, pieces in plan if name not in entries]
         task = ray.remote(_pack_and_mark)
+        self.metrics.pass_started("pack", len(todo))
         with PassProgress(self.console, "pack", len(plan), 0, len(entries), unit="shards") as bar:
             pending = [task.options(name=f"pack {name}").remote(staging.paths, name, pieces) for name, pieces in todo]
             while pending:
@@ -272,6 +328,7 @@ class PipelineRun:
                 for entry in ray.get(ready):
                     entries[entry["name"]] = entry["entry"]
                     bar.advance(1)
+                    self.metrics.unit_done("pack")
         self.pass_seconds["pack"] = time.perf_counter() - t0
         return [entries[name] for name, _ in plan]
 
@@ -283,6 +340,7 @@ class PipelineRun:
         logging.getLogger("ray.data").setLevel(logging.ERROR)
         cfg = self.config
         paths = staging.paths
+        self.metrics = PipelineMetrics(self.output.name)  # Ray's metrics: Ray is up by now
         items = [{"index": i, "uri": f.uri, "size": f.size or 0} for i, f in enumerate(self.files)]
         self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
         # One ray.put per run; every filter task gets the references and reads the arrays from the object store.

@@ -129,11 +129,11 @@ class StageAccounting:
         for stage, key, n in summary.get("counts", []):
             self.counts[stage][key] += n
         for step, seconds in summary["seconds"].items():
-            self.seconds[_STEP_STAGE.get(step, step)] += seconds
+            self.seconds[STEP_STAGE.get(step, step)] += seconds
 
 
 # Worker-side step timers that belong to a report stage other than their own name.
-_STEP_STAGE = {"dedup_keys": "dedup_minhash", "dedup_mark": "dedup_minhash"}
+STEP_STAGE = {"dedup_keys": "dedup_minhash", "dedup_mark": "dedup_minhash"}
 
 
 def count_annotations(rows: Iterable[Doc]) -> Counter[tuple[str, str]]:

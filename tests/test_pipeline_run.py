@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pyarrow.dataset as pads
 import pytest
 import ray
 from conftest import REPO, SAMPLE
+from prometheus_helpers import query, ray_metrics_target, running_prometheus, scalar, wait_for
 from tokenizers import Tokenizer
 from wet_builder import article, record_id, write_wet
 
@@ -28,9 +30,21 @@ DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as env:
+        # Read by every Ray process at start: Ray's metrics export every 1 s, so Prometheus sees the run's counters
+        # soon after it ends (pipeline/metrics.py).
+        env.setenv("RAY_metrics_report_interval_ms", "1000")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prometheus(local_ray, tmp_path_factory) -> Iterator[str]:
+    """A real Prometheus scraping this Ray node's metrics agent every second, from before the sample run."""
+    work = tmp_path_factory.mktemp("prometheus")
+    with running_prometheus(work / "sd", work, ray_targets=[ray_metrics_target()]) as prom:
+        yield prom
 
 
 GSM8K_TEST = REPO / "data" / "eval-sets" / "gsm8k-test.jsonl"
@@ -84,7 +98,7 @@ def sample_inputs(tmp_path_factory, ccnet_texts):
 
 
 @pytest.fixture(scope="module")
-def sample_run(tmp_path_factory, sample_inputs):
+def sample_run(tmp_path_factory, sample_inputs, prometheus):
     out = tmp_path_factory.mktemp("runs") / "sample"
     report = run_pipeline(str(sample_inputs), out, load_config(DEMO_CONFIG))
     return out, report
@@ -392,3 +406,76 @@ def test_canary_eval_set_is_disjoint_from_the_training_shards(sample_run, tmp_pa
         assert not any(item.text in doc for doc in train_docs), item.id
         shared = np.intersect1d(ngram_hashes(normalise(item.text), 13), train_ngrams)
         assert shared.size == 0, (item.id, shared.size)
+
+
+# ---- the run as Prometheus sees it: Ray's metrics, the pipeline dashboard ----------------------------------------
+
+
+def by_labels(prom: str, expr: str, *labels: str) -> dict[tuple[str, ...], float]:
+    return {tuple(r["metric"][k] for k in labels): float(r["value"][1]) for r in query(prom, expr)}
+
+
+def test_stage_counters_in_prometheus_equal_the_report(sample_run, prometheus):
+    out, report = sample_run
+    run = f'run="{out.name}"'
+    # The last counts the run records: its kept documents (tokenize) and its shards (pack, the last pass).
+    kept = f"sum(ray_raylm_pipeline_documents_kept_total{{{run}}})"
+    packed = f'sum(ray_raylm_pipeline_units_done_total{{{run},pass="pack"}})'
+    wait_for(
+        lambda: (
+            (scalar(prometheus, kept), scalar(prometheus, packed))
+            == (report["output"]["docs"], report["output"]["shards"])
+        ),
+        what="the run's last counts in Prometheus",
+    )
+    docs_in = by_labels(prometheus, f"ray_raylm_pipeline_documents_in_total{{{run}}}", "stage")
+    dropped = by_labels(prometheus, f"ray_raylm_pipeline_documents_dropped_total{{{run}}}", "stage", "reason")
+    for stage in report["stages"]:
+        name = stage["name"]
+        assert docs_in.get((name,), 0) == stage["docs_in"], name
+        reasons = {reason: n for (s, reason), n in dropped.items() if s == name}
+        assert reasons == stage["reasons"], name
+    assert sum(stage["dropped"] for stage in report["stages"]) > 0  # the sample has drops for these to agree on
+    seconds = by_labels(prometheus, f"ray_raylm_pipeline_stage_seconds_total{{{run}}}", "stage")
+    assert {"extract", "language", "quality", "tokenize"} <= {s for (s,) in seconds}
+    assert scalar(prometheus, f"ray_raylm_pipeline_input_bytes_total{{{run}}}") == report["input"]["bytes"]
+    done = by_labels(prometheus, f"ray_raylm_pipeline_units_done_total{{{run}}}", "pass")
+    files = report["input"]["files"]
+    assert done[("filter",)] == done[("tokenize",)] == files and done[("pack",)] == report["output"]["shards"]
+    assert by_labels(prometheus, f"ray_raylm_pipeline_units_planned_total{{{run}}}", "pass") == done
+    # The index sizes are gauges, which Ray stops exporting soon after their last update: their last value.
+    last = f"last_over_time(ray_raylm_pipeline_dedup_index_entries{{{run}}}[10m])"
+    index = by_labels(prometheus, last, "shard", "kind")
+    minhash = [n for (_, kind), n in index.items() if kind == "minhash"]
+    # Every document that reached dedup has its sketch in at least one shard (in each shard that owns one of its
+    # bands), and in no shard twice.
+    reached = next(s["docs_in"] for s in report["stages"] if s["name"] == "dedup_exact")
+    assert max(minhash) <= reached <= sum(minhash), (minhash, reached)
+
+
+def test_every_pipeline_dashboard_panel_query_returns_data(sample_run, prometheus):
+    out, _ = sample_run
+    wait_for(
+        lambda: scalar(prometheus, f'sum(ray_raylm_pipeline_units_done_total{{run="{out.name}",pass="pack"}})'),
+        what="the run's counters in Prometheus",
+    )
+    dashboard = json.loads((REPO / "dashboards" / "grafana" / "raylm-pipeline.json").read_text())
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "run"]
+    metric, label = variable["query"]["query"].removeprefix("label_values(").removesuffix(")").split(", ")
+    assert out.name in {r["metric"][label] for r in query(prometheus, f"group by ({label}) ({metric})")}
+    checked = 0
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert 'run=~"$run"' in expr, panel["title"]
+            # Grafana's variables, as it expands them for this run over the last 10 minutes (the run ended minutes
+            # ago, as other tests ran: its rates are 0 by now, but they are there).
+            expanded = expr.replace("$__rate_interval", "10m").replace("$__range", "10m").replace("$run", out.name)
+            # rate() needs two scrapes of a series: a counter that first appeared at the run's end has one at first.
+            title = panel["title"]
+            wait_for(lambda e=expanded: query(prometheus, e), timeout=30, what=f"{title!r}: data for {expanded}")
+            assert query(prometheus, expr.replace("$__rate_interval", "1m").replace("$__range", "10m")
+                         .replace("$run", "another-run")) == [], f"panel {panel['title']!r} ignores $run"  # fmt: skip
+            checked += 1
+    assert checked >= 10

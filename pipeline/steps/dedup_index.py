@@ -242,6 +242,11 @@ class BucketIndex:
     def get_stats(self) -> dict:
         return dict(self.stats)
 
+    def size(self) -> dict[str, int]:
+        """What the shard holds, in entries: documents in its LSH buckets (each with its sketch, the memory that
+        grows with the corpus) and distinct exact keys."""
+        return {"minhash": len(self._docs), "exact": len(self._exact_heads)}
+
 
 def _parts(parts: list) -> Any:
     """Several return values for Ray's ``num_returns``; one value (not a 1-tuple) when there is one shard."""
