@@ -39,6 +39,7 @@ from cluster.stages import (
 from ground.cache import fetch_verified
 from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, parse_set
+from ground.ray_address import add_address_option
 from ground.storage import Location, StorageError, discard
 
 LINEAGE = "lineage.json"
@@ -58,11 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the directory this spec's STAGE writes (whether or not it has run) and exit, e.g. "
         "--data $(python -m cluster.run JOB.yaml --where curate)",
     )
-    parser.add_argument(
-        "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster address ('auto' inside a cluster job; default: RAY_ADDRESS or a local Ray)",
-    )
+    add_address_option(parser)
     return parser.parse_args(argv)
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from rich.console import Console
 
 from ground.logsetup import setup_logging, stderr_console
 from ground.overrides import add_set_option
+from ground.ray_address import add_address_option
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,11 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the unfinished run of this output (same config and inputs), redoing only unfinished work",
     )
-    run.add_argument(
-        "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster address ('auto' for the cluster this node belongs to); default: a local Ray",
-    )
+    add_address_option(run)
     run.add_argument("--num-cpus", type=int, help="CPUs for a local Ray (default: all)")
 
     sample = sub.add_parser(

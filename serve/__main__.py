@@ -19,6 +19,7 @@ from typing import Any
 
 from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, add_set_option, apply_overrides, build, parse_set
+from ground.ray_address import add_address_option
 from serve.config import (
     DEFAULT_AUTOSCALING,
     DEFAULT_CANARY_INTERVAL_S,
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", help="model name clients send and /v1/models lists (default: dir name)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: local)")
+    add_address_option(parser)
     # Defaults come from serve/config.py (also what build_app and serve_config.yaml fall back to).
     batch, ongoing = DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_ONGOING_REQUESTS
     parser.add_argument(

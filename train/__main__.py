@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
 from ground.logsetup import setup_logging
 from ground.overrides import add_set_option, parse_set
+from ground.ray_address import add_address_option
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
 from train.mixture import parse_mixture
@@ -44,11 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="continue from the latest good checkpoint in --output (same or different --workers; "
         "a different world size reshards model and optimizer state)",
     )
-    parser.add_argument(
-        "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster address ('auto' for a running cluster; default: RAY_ADDRESS or a local Ray)",
-    )
+    add_address_option(parser)
     return parser.parse_args(argv)
 
 
