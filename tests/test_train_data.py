@@ -489,11 +489,13 @@ def test_set_overrides_parse_and_validate_like_the_file(tmp_path: Path) -> None:
     args = parse_args(
         ["--data", "d", "--output", "o", "--strategy", "ddp", "--workers", "2",
          "--set", "optimizer.lr=3e-4", "--set", "parallel.workers=4", "--set", "checkpoint.num_to_keep=null",
-         "--set", "metrics.wandb=true"]
+         "--set", "metrics.tracker=wandb"]
     )  # fmt: skip
     config = load_config(None, overrides_from_args(args))
     assert config.optimizer.lr == 3e-4 and config.parallel.workers == 4 and config.parallel.strategy == "ddp"
-    assert config.checkpoint.num_to_keep is None and config.metrics.wandb is True
+    assert config.checkpoint.num_to_keep is None and config.metrics.tracker == "wandb"
+    with pytest.raises(ConfigError, match=r"now metrics\.tracker: wandb"):  # a config written before the rename
+        load_config(None, {"metrics.wandb": True})
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         overrides_from_args(parse_args(["--data", "d", "--output", "o", "--set", "optimizer.lr"]))
     with pytest.raises(ConfigError, match=r"parallel.precision: .*'fp16'"):

@@ -125,14 +125,17 @@ class MetricsConfig(_Section):
     ray_report_interval: int = Field(100, ge=1)
     # FLOP/s of one device for MFU; None looks the GPU up in train.flops, and CPUs have no entry.
     peak_flops_per_device: float | None = None
-    wandb: bool = False
-    wandb_project: str = "raylm"
+    # Experiment tracking (train.tracking), from rank 0: "wandb" (online with WANDB_API_KEY, else offline into
+    # RUN/wandb), "mlflow" (a tracking server: tracker_uri, else MLFLOW_TRACKING_URI), or "none".
+    tracker: Literal["none", "wandb", "mlflow"] = "none"
+    tracker_project: str = "raylm"  # the W&B project, or the MLflow experiment
+    tracker_uri: str | None = None  # MLflow's tracking URI (http://host:5000, sqlite:///mlflow.db)
     # Live telemetry: every rank serves its step metrics for Prometheus (OpenTelemetry -> a per-rank scrape
     # endpoint, found through file_sd in sd_dir), labelled with run id and rank. See train/telemetry.py.
     prometheus: bool = True
     prometheus_host: str = "127.0.0.1"  # bind address of the scrape endpoints; 0.0.0.0 on a multi-node cluster
     sd_dir: str | None = str(DEFAULT_SD_DIR)  # None: no file_sd target (scrape the port yourself)
-    run_id: str = ""  # the runs' label in Prometheus; "" means the output dir's name
+    run_id: str = ""  # the run's name in Prometheus and the tracker; "" means the output dir's name
     # A live progress line from rank 0 (step/total, loss, tokens/s, ETA) in place of Ray Train's own
     # per-report log lines, which ray_train_logs brings back.
     progress: bool = True
@@ -140,6 +143,16 @@ class MetricsConfig(_Section):
     # Per step, a tiny all-reduce before the gradient synchronisation times how long each rank waits for
     # the others (sync_wait_s): what the straggler alert compares. Costs one device sync per step on GPU.
     straggler_probe: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # Configs written before metrics.tracker: say what replaced the key instead of only "unknown key".
+        if isinstance(data, dict) and ({"wandb", "wandb_project"} & data.keys()):
+            raise ValueError(
+                "metrics.wandb and metrics.wandb_project are now metrics.tracker: wandb and metrics.tracker_project"
+            )
+        return data
 
 
 class GuardConfig(_Section):
@@ -266,6 +279,10 @@ class TrainConfig(_Section):
                 f"× world size ({self.data.micro_batch_size} × {world_size})"
             )
         return self.data.global_batch_size // per_micro_step
+
+    def run_id(self) -> str:
+        """The run's name in Prometheus and the experiment tracker: ``metrics.run_id``, or the output dir's name."""
+        return self.metrics.run_id or Path(self.output_dir).name
 
     def worker_usd_per_hour(self) -> float | None:
         """What one worker's reservation costs per hour at ``cost``'s prices (None: no price set)."""

@@ -1,13 +1,11 @@
 """Where step metrics go: ``metrics.jsonl`` in the run dir (rank 0; published to a run dir in object storage at
 reports and checkpoints, ``train.run_dir``), Ray Train's reporting (every rank, since ``ray.train.report`` is a
-barrier), and Weights & Biases when enabled and installed."""
+barrier), and an experiment tracker (W&B or MLflow, ``train.tracking``) when ``metrics.tracker`` names one."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 from ground.storage import Location
 from train.config import TrainConfig
 from train.run_dir import RunDir
+from train.tracking import Tracker, start_tracker
 
 METRICS_FILE = "metrics.jsonl"
 # Where a logged step record goes besides the file: ray.train.report on a Ray Train worker.
@@ -36,15 +35,17 @@ class MetricsLogger:
         reporter: Reporter | None = None,
         append: bool = False,
         run_dir: RunDir | None = None,
+        lineage: dict[str, str] | None = None,
     ) -> None:
         """``append``: a resumed run keeps the records written so far (see ``truncate_from``). ``run_dir``: where
-        the file is written and published (default: ``config.output_dir``'s, ``train.run_dir``)."""
+        the file is written and published (default: ``config.output_dir``'s, ``train.run_dir``). ``lineage``: what
+        the tracker tags the run with besides its id (the data's manifest sha256, its sources)."""
         self.is_main = is_main
         self.reporter = reporter
         self.run_dir = run_dir or RunDir(config.output_dir)
         self.path = self.run_dir.local / METRICS_FILE
         self._unpublished = False
-        self._wandb = None
+        self.tracker: Tracker | None = None
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A new run starts a new file; a resumed one keeps it: the run dir's copy, which a run resumed on
@@ -54,14 +55,8 @@ class MetricsLogger:
             if not append or not self.path.exists():
                 self.path.write_text("")
                 self._unpublished = True
-            if config.metrics.wandb and importlib.util.find_spec("wandb") is not None:
-                import wandb
-
-                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-                self._wandb = wandb.init(
-                    project=config.metrics.wandb_project, dir=str(self.run_dir.local), mode=mode,
-                    config=config.to_dict(),
-                )  # fmt: skip
+            tags = {"raylm.run_id": config.run_id(), "raylm.resumed": str(append).lower(), **(lineage or {})}
+            self.tracker = start_tracker(config, self.run_dir, tags)
 
     def log(self, record: dict[str, Any], report: bool) -> None:
         """Append ``record`` to metrics.jsonl (rank 0); with ``report``, also hand it to Ray Train,
@@ -72,8 +67,10 @@ class MetricsLogger:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
             self._unpublished = True
-            if self._wandb is not None:
-                self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+            if self.tracker is not None:
+                self.tracker.log(record)
+                for saved in record.get("checkpoints", []):
+                    self.tracker.checkpoint(saved["checkpoint"])
             if report or "checkpoints" in record:
                 self.publish()
         if report and self.reporter is not None:
@@ -99,10 +96,12 @@ class MetricsLogger:
             self._unpublished = True
 
     def close(self) -> None:
-        """Publish what is not yet in the run dir (a run that stopped early keeps its record), finish W&B."""
+        """Publish what is not yet in the run dir (a run that stopped early keeps its record), end the tracker's
+        run. Idempotent."""
         self.publish()
-        if self._wandb is not None:
-            self._wandb.finish()
+        if self.tracker is not None:
+            self.tracker.finish()
+            self.tracker = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

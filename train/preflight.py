@@ -110,8 +110,13 @@ def check_resources(config: TrainConfig, cluster: Mapping[str, float]) -> None:
 
 
 def check_extras(config: TrainConfig) -> None:
-    if config.metrics.wandb and importlib.util.find_spec("wandb") is None:
-        raise PreflightError("metrics.wandb is enabled but the wandb package is not installed")
+    """The packages the config asks for are installed (before any worker starts)."""
+    tracker = config.metrics.tracker
+    package = {"wandb": "wandb", "mlflow": "mlflow"}.get(tracker)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise PreflightError(
+            f"metrics.tracker={tracker} but the {package} package is not installed (pip install 'raylm[tracking]')"
+        )
 
 
 def check_output(output: Location) -> None:

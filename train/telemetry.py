@@ -60,7 +60,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from opentelemetry.metrics import Counter, Meter
@@ -114,11 +113,6 @@ INSTRUMENTS = {
 MEMORY_KEYS = ("peak_mem_bytes", "state_bytes", "peak_rss_bytes")
 
 
-def run_id_of(config: TrainConfig) -> str:
-    """The run's label in Prometheus: ``metrics.run_id``, or the output dir's name."""
-    return config.metrics.run_id or Path(config.output_dir).name
-
-
 def sd_filename(run_id: str, rank: int) -> str:
     return f"raylm-train-{safe_name(run_id)}-rank{rank}.json"
 
@@ -127,7 +121,7 @@ class TrainTelemetry:
     """One rank's instruments, its scrape endpoint and its service-discovery file."""
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
-        self.run_id = run_id_of(config)
+        self.run_id = config.run_id()
         self.rank = rank
         self.world_size = world_size
         self.checkpoint_config = config.checkpoint

@@ -180,7 +180,13 @@ class Trainer(Stateful):
             # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
             # launch, which the driver allows only then): resume whatever the config says.
             self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
-        self.metrics = MetricsLogger(config, ctx.is_main, reporter, append=self.resuming, run_dir=self.run_dir)
+        lineage = {
+            "raylm.data_manifest_sha256": data_lineage_sha256(self.sources),
+            "raylm.data_sources": json.dumps(describe(self.sources)),
+        }
+        self.metrics = MetricsLogger(
+            config, ctx.is_main, reporter, append=self.resuming, run_dir=self.run_dir, lineage=lineage
+        )
         self.profiler = StepProfiler.build(config.profile, ctx.rank, ctx.device, self.run_dir)
         self.telemetry = None
         if config.metrics.prometheus:
