@@ -137,6 +137,12 @@ def train_material(job: Job, curated: StageOutput) -> dict[str, Any]:
     for key in ("data_dir", "output_dir"):
         config.pop(key, None)
     config["checkpoint"].pop("resume", None)
+    # What only watches the run (a profile window, prices, the experiment tracker) changes nothing it trains: set
+    # later, it must not redo the stage. The run it watches is the one already done.
+    for section in ("profile", "cost"):
+        config.pop(section, None)
+    for key in ("tracker", "tracker_project", "tracker_uri"):
+        config["metrics"].pop(key, None)
     return {"train": config, "data": curated.key}
 
 

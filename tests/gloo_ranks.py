@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ground.dist import free_port
+from ground.dist import DistContext, free_port
 
 
 class FlushedQueue:
@@ -25,6 +27,22 @@ class FlushedQueue:
         self.queue.put(item)
         self.queue.close()
         self.queue.join_thread()
+
+
+@contextlib.contextmanager
+def cpu_rank(rank: int, world: int, port: int) -> Iterator[DistContext]:
+    """In a spawned worker: join the gloo group on loopback as ``rank`` with one torch thread, yield the rank's
+    ``DistContext`` on CPU, and leave the group after."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield DistContext(rank, world, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank_main(worker: Callable[..., None], rank: int, world: int, port: int, args: tuple, queue: mp.Queue,

@@ -176,6 +176,15 @@ def test_a_changed_train_key_keeps_the_data_and_redoes_training_and_what_follows
 
 
 @pytest.mark.ray
+def test_watching_a_run_differently_redoes_nothing(chain: dict[str, Any]) -> None:
+    # A price, a profile window and a tracker project only watch a run: the trained run stays the one done.
+    watch = ["train.cost.usd_per_cpu_hour=0.05", "train.profile.steps=0:1", "train.metrics.tracker_project=p2"]
+    _, states = run(chain["spec"], "--until", "export", *[arg for item in watch for arg in ("--set", item)])
+    assert states == {"plan": "skipped", "curate": "skipped", "train": "skipped", "export": "skipped",
+                      "lineage": "written"}  # fmt: skip
+
+
+@pytest.mark.ray
 def test_a_finished_output_that_no_longer_verifies_is_redone_and_an_unrecorded_one_is_kept(
     chain: dict[str, Any],
 ) -> None:

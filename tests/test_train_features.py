@@ -5,13 +5,12 @@ see train/README.md, "Tested and untested"."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import FlushedQueue, run_gloo_ranks
+from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
 from torch.distributed.tensor import DTensor
 from train_fixtures import tiny_overrides
 
@@ -64,14 +63,8 @@ def run_two_gloo_ranks(worker: Callable[..., None], *args: object) -> list[dict]
 
 
 def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.precision": "bf16"}
-        ctx = DistContext(rank, world, torch.device("cpu"))
         trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         seen = dtypes_seen(trainer)
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
@@ -87,8 +80,6 @@ def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, que
                 "optimizer_dtypes": sorted({str(s.dtype) for s in states}),
             }
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> None:
@@ -106,14 +97,8 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
 
 
 def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: FlushedQueue) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": strategy, "parallel.workers": 2, "steps": 5}
-        ctx = DistContext(rank, world, torch.device("cpu"))
         trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         if rank == 1:  # one rank's forward blows up at step 2; the other's is healthy
             trainer.gpt.blocks[0].register_forward_hook(
@@ -124,8 +109,6 @@ def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strateg
             skipped.append(trainer.optimizer_step().record["skipped"])
             digests.append(trainer.check_replicas()[rank] if strategy == "ddp" else None)
         queue.put({"rank": rank, "skipped": skipped, "digests": digests, "bad_steps": trainer.bad_steps})
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -177,14 +160,9 @@ def test_torch_compile_compiles_the_whole_model_and_keeps_names_and_losses(token
 
 
 def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
-    import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        ctx = DistContext(rank, world, torch.device("cpu"))
+    with cpu_rank(rank, world, port) as ctx:
         fsdp = {"parallel.strategy": "fsdp", "parallel.workers": world}
         eager = Trainer(make_config(Path(data), Path(out) / "eager", **fsdp), ctx)
         compiled = Trainer(make_config(Path(data), Path(out) / "compiled", **fsdp, **{"parallel.compile": True}), ctx)
@@ -202,8 +180,6 @@ def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, 
                 "sharded": any(isinstance(p, DTensor) for p in compiled.gpt.parameters()),
             }
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_torch_compile_under_fsdp_compiles_each_block_forward_between_hooks(token_dir: Path, tmp_path: Path) -> None:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import FlushedQueue, run_gloo_ranks
+from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
 from train_fixtures import tiny_overrides
 
 from ground.overrides import ConfigError, parse_set
@@ -86,22 +85,14 @@ def test_profiling_is_off_unless_asked(token_dir: Path, tmp_path: Path) -> None:
 
 
 def _ddp_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "ddp", "parallel.workers": 2, "profile.steps": "2:4", "profile.ranks": [1]}
-        ctx = DistContext(rank, world, torch.device("cpu"))
         trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         try:
             trainer.train()
         finally:
             trainer.close()
         queue.put({"rank": rank, "profiled": trainer.profiler is not None})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_only_the_ranks_asked_for_profile_each_into_its_own_trace(token_dir: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from gloo_ranks import FlushedQueue, run_gloo_ranks
+from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
 from prometheus_helpers import wait_for
 from train_fixtures import tiny_overrides
 
@@ -75,14 +75,8 @@ def wandb_records(path: Path) -> list:
 
 
 def _wandb_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "ddp", "parallel.workers": 2, "metrics.tracker": "wandb"}
-        ctx = DistContext(rank, world, torch.device("cpu"))
         trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
         tracking = trainer.metrics.tracker is not None
         try:
@@ -90,8 +84,6 @@ def _wandb_worker(rank: int, world: int, port: int, data: str, out: str, queue: 
         finally:
             trainer.close()
         queue.put({"rank": rank, "tracking": tracking})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_wandb_offline_holds_rank_0s_history_config_and_lineage(
