@@ -92,8 +92,15 @@ class Job:
         for dotted in TRAIN_KEYS_SET_BY_THE_JOB:
             if _has(train_keys, dotted):
                 raise SpecError(f"{source}: train.{dotted}: set by the job from the stages upstream; remove it")
+        # The cluster's GPU-hour price, given once for the planner, also prices training and serving (train.cost and
+        # serve's cost.usd_per_gpu_hour, where the spec does not set its own).
+        price = spec.cluster.price_per_gpu_hour if spec.cluster is not None else None
+        if price is not None and not _has(train_keys, "cost.usd_per_gpu_hour"):
+            train_keys = apply_overrides(train_keys, {"cost.usd_per_gpu_hour": price})
         self.train = _validated(TrainConfig, train_keys, "train", source)
         self.serve_argv = serve_argv(spec.serve, source)
+        if price is not None and not any(item.startswith("cost.usd_per_gpu_hour=") for item in self.serve_argv):
+            self.serve_argv += ["--set", f"cost.usd_per_gpu_hour={price}"]
 
 
 def load_job(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Job:

@@ -26,6 +26,7 @@ from conftest import REPO, SAMPLE
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
 
 from cluster.run import main
+from cluster.run_spec import load_job
 from ground.dist import free_port
 from ground.hashing import sha256_file
 from ground.storage import Location
@@ -300,6 +301,19 @@ def test_a_spec_whose_model_cannot_fit_its_gpus_is_refused_by_the_plan(
     assert "plan: train.model does not fit on one L4" in err
     err = refusal(tmp_path, capsys, cluster={"gpus": 8, "gpu_type": "A10G"})
     assert "cluster.gpus = 8" in err and "train.parallel.workers" in err
+
+
+def test_the_clusters_gpu_hour_price_prices_training_and_serving_unless_they_set_their_own(tmp_path: Path) -> None:
+    cluster = {"gpus": 1, "gpu_type": "A10G", "price_per_gpu_hour": 1.25}
+    job = load_job(write_spec(tmp_path / "job.yaml", str(tmp_path / "root"), cluster=cluster))
+    assert job.train.cost.usd_per_gpu_hour == 1.25
+    assert job.serve_argv[-2:] == ["--set", "cost.usd_per_gpu_hour=1.25"]
+    own = {"set": {"cost": {"usd_per_gpu_hour": 3.0}}}
+    train = {**SPEC["train"], "cost": {"usd_per_gpu_hour": 2.0}}
+    job = load_job(write_spec(tmp_path / "own.yaml", str(tmp_path / "root"), cluster=cluster, train=train, serve=own))
+    assert job.train.cost.usd_per_gpu_hour == 2.0
+    assert job.serve_argv == ["--set", "cost.usd_per_gpu_hour=3.0"]
+    assert load_job(write_spec(tmp_path / "none.yaml", str(tmp_path / "root"))).train.cost.usd_per_gpu_hour is None
 
 
 def test_a_spec_that_fits_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

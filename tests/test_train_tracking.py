@@ -4,13 +4,16 @@ by a reader of its own format written here (not wandb's), and an MLflow tracking
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ from train.config import TrainConfig, load_config
 from train.metrics import read_metrics
 from train.parallel import DistContext
 from train.preflight import check_data
-from train.trainer import Trainer
+from train.trainer import StepInfo, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STEPS = 4
@@ -126,10 +129,9 @@ def manifest_sha256(data: Path) -> str:
 # ---- MLflow, a tracking server started here ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``mlflow server`` on a SQLite store and a loopback port; yields its URL."""
-    work = tmp_path_factory.mktemp("mlflow")
+@contextlib.contextmanager
+def running_mlflow_server(work: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``mlflow server`` on a SQLite store and a loopback port, in its own process group; yields (URL, process)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
            "--default-artifact-root", str(work / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
@@ -147,15 +149,22 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     try:
         wait_for(healthy, timeout=120, what="mlflow server to answer /health")
-        yield url
+        yield url, server
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a test may have killed it already
+            os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as (url, _):
+        yield url
 
 
 def test_mlflow_server_holds_the_runs_metrics_params_and_lineage(
@@ -188,3 +197,41 @@ def test_mlflow_server_holds_the_runs_metrics_params_and_lineage(
     assert tags["raylm.data_manifest_sha256"] == manifest_sha256(token_dir)
     saved = [c["checkpoint"] for r in expected for c in r.get("checkpoints", [])]
     assert saved and tags["raylm.checkpoint"] == saved[-1]  # the latest checkpoint the run saved
+
+
+@dataclass
+class KillServerAfter:
+    """A step callback: SIGKILL the tracking server's process group once ``step`` is done (a server lost mid-run)."""
+
+    step: int
+    pid: int
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.step == self.step:
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+def test_a_tracking_server_lost_mid_run_stops_tracking_not_training(
+    token_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail at once, not after minutes of retries
+    caplog.set_level(logging.WARNING, logger="train.metrics")
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    with running_mlflow_server(tmp_path) as (url, server):
+        config = make_config(token_dir, run_dir, **{"metrics.tracker": "mlflow", "metrics.tracker_uri": url})
+        trainer = Trainer(config, DistContext(0, 1, torch.device("cpu")), on_step_end=KillServerAfter(1, server.pid))
+        try:
+            trainer.train()  # steps 2 and 3 find no server
+        finally:
+            trainer.close()
+        server.wait(timeout=30)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(STEPS))  # the run's own record is whole
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "train.metrics"]
+    assert "at step 2" in warning and "tracking is off for the rest of this run" in warning
+    with running_mlflow_server(tmp_path) as (url, _):  # the same store, served again: steps 0 and 1 reached it
+        client = MlflowClient(url)
+        (run,) = client.search_runs([client.get_experiment_by_name("raylm").experiment_id])
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [0, 1]

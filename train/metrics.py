@@ -5,6 +5,7 @@ barrier), and an experiment tracker (W&B or MLflow, ``train.tracking``) when ``m
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,8 @@ from ground.storage import Location
 from train.config import TrainConfig
 from train.run_dir import RunDir
 from train.tracking import Tracker, start_tracker
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 # Where a logged step record goes besides the file: ray.train.report on a Ray Train worker.
@@ -68,13 +71,26 @@ class MetricsLogger:
                 fh.write(json.dumps(record) + "\n")
             self._unpublished = True
             if self.tracker is not None:
-                self.tracker.log(record)
-                for saved in record.get("checkpoints", []):
-                    self.tracker.checkpoint(saved["checkpoint"])
+                self._track(record)
             if report or "checkpoints" in record:
                 self.publish()
         if report and self.reporter is not None:
             self.reporter(record)
+
+    def _track(self, record: dict[str, Any]) -> None:
+        assert self.tracker is not None
+        try:
+            self.tracker.log(record)
+            for saved in record.get("checkpoints", []):
+                self.tracker.checkpoint(saved["checkpoint"])
+        except Exception as err:  # any client error: the tracker is a view of the run, not the run
+            # A tracker's outage (a server down, a quota) must not stop a run of days: it is switched off, loudly,
+            # and metrics.jsonl keeps every record (a tracker can be filled from it afterwards).
+            log.warning(
+                "metrics.tracker: %s at step %d: %s; tracking is off for the rest of this run (metrics.jsonl "
+                "holds every record)", type(err).__name__, record["step"], err,
+            )  # fmt: skip
+            self.tracker = None
 
     def publish(self) -> None:
         """Upload metrics.jsonl to a run dir in object storage (rank 0; nothing to do for a local one). Done at
@@ -100,8 +116,11 @@ class MetricsLogger:
         run. Idempotent."""
         self.publish()
         if self.tracker is not None:
-            self.tracker.finish()
-            self.tracker = None
+            tracker, self.tracker = self.tracker, None
+            try:
+                tracker.finish()
+            except Exception as err:  # as in _track: the run is done, its record is metrics.jsonl
+                log.warning("metrics.tracker: ending the tracker's run failed: %s: %s", type(err).__name__, err)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
