@@ -38,7 +38,7 @@ from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
 from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
-from pipeline.metrics import PipelineMetrics
+from pipeline.metrics import PipelineMetrics, ascii_label
 from pipeline.output import pack_shard, plan_shards, write_empty_rejected
 from pipeline.progress import PassProgress
 from pipeline.report import KeptTokenStats, StageAccounting, print_summary, render_markdown, stage_rows
@@ -218,7 +218,7 @@ class PipelineRun:
             if todo:
                 ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(fn, fn_kwargs=fn_kwargs)
                 # The Ray dashboard lists datasets by name: this one says which pass and run it is.
-                ds.set_name(f"raylm {name} ({PASS_STEPS[name]}) for {self.output.name}")  # ASCII: Ray Data needs it
+                ds.set_name(ascii_label(f"raylm {name} ({PASS_STEPS[name]}) for {self.output.name}"))
                 for row in ds.iter_rows():
                     summary = json.loads(row["summary"])
                     if "error" in summary:

@@ -47,12 +47,18 @@ def stage_flow(summary: dict, stages: Sequence[str], docs_in: int) -> list[tuple
     return flow
 
 
+def ascii_label(text: str) -> str:
+    """``text`` as Ray takes it in a metric tag or a dataset name: ASCII, anything else escaped (``données`` ->
+    ``donn\\xe9es``). Ray encodes both as ASCII and fails the run on anything else."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
 class PipelineMetrics:
     """The run's instruments, fed with the file summaries the driver receives (``pipeline.executor``)."""
 
     def __init__(self, run: str) -> None:
-        self.run = run
-        self.tags = {"run": run}
+        self.run = ascii_label(run)
+        self.tags = {"run": self.run}
         self.docs_in = Counter(
             "raylm_pipeline_documents_in", "Documents that reached the stage.", tag_keys=("run", "stage")
         )

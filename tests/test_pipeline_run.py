@@ -479,3 +479,13 @@ def test_every_pipeline_dashboard_panel_query_returns_data(sample_run, prometheu
                          .replace("$run", "another-run")) == [], f"panel {panel['title']!r} ignores $run"  # fmt: skip
             checked += 1
     assert checked >= 10
+
+
+def test_an_output_named_in_any_script_runs_and_is_labelled_in_ascii(tmp_path, prometheus):
+    # Ray takes metric tags and dataset names in ASCII only, and failed the run on "données" before they were
+    # escaped: the run completes, and its counters carry the escaped name.
+    out = tmp_path / "données"
+    report = run_pipeline(str(SAMPLE), out, load_config(DEMO_CONFIG))
+    assert (out / "manifest.json").is_file() and report["output"]["docs"] > 0
+    kept = 'sum(ray_raylm_pipeline_documents_kept_total{run="donn\\\\xe9es"})'
+    wait_for(lambda: scalar(prometheus, kept) == report["output"]["docs"], what="the escaped run's kept count")
