@@ -22,7 +22,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.job_spec import ClusterSpec
-from ground.overrides import ConfigError, add_set_option, apply_overrides, read_yaml, validation_problems
+from ground.overrides import (
+    ConfigError,
+    add_set_option,
+    apply_overrides,
+    dotted_keys,
+    read_yaml,
+    validation_problems,
+)
 from pipeline.config import PipelineConfig
 from train.config import TrainConfig
 
@@ -50,7 +57,7 @@ class _StageSection(BaseModel):
     def stage_keys(self) -> dict[str, Any]:
         """The stage config this section describes: ``base`` with the section's other keys merged over it."""
         merged = read_yaml(self.base)
-        return apply_overrides(merged, _dotted(self.model_extra or {}))
+        return apply_overrides(merged, dotted_keys(self.model_extra or {}))
 
 
 class DataSection(_StageSection):
@@ -132,7 +139,7 @@ def serve_argv(options: Mapping[str, Any], source: str) -> list[str]:
             raise SpecError(f"{source}: serve.{key}: set by the job; remove it")
         flag = "--" + key.replace("_", "-")
         if key == "set" and isinstance(value, Mapping):
-            argv += [item for dotted, v in _dotted(value).items() for item in ("--set", f"{dotted}={v}")]
+            argv += [item for dotted, v in dotted_keys(value).items() for item in ("--set", f"{dotted}={v}")]
         elif value is True:
             argv.append(flag)
         elif value is False or value is None:
@@ -163,18 +170,6 @@ def _validated(model: type[BaseModel], data: dict[str, Any], section: str, sourc
         problems = [f"{section}.{line}" if ":" in line.split(" ")[0] else f"{section}: {line}" for line in
                     validation_problems(exc)]  # fmt: skip
         raise SpecError(f"{source}: " + "; ".join(problems)) from exc
-
-
-def _dotted(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a section's keys merge into its base key by key, not section by
-    section (``train: {optimizer: {lr: …}}`` keeps the base file's other optimizer keys)."""
-    flat: dict[str, Any] = {}
-    for key, value in mapping.items():
-        if isinstance(value, Mapping) and value:
-            flat |= _dotted(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _has(data: Mapping[str, Any], dotted: str) -> bool:

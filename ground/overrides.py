@@ -85,6 +85,19 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
     return data
 
 
+def dotted_keys(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``, the keys ``apply_overrides`` takes (an empty mapping stays a value).
+    Merged as overrides, a nested section changes its base key by key, not section by section (the job spec's
+    ``train: {optimizer: {lr: …}}`` keeps the base file's other optimizer keys); flat, a config is MLflow's params."""
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            flat |= dotted_keys(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def read_yaml(path: str | Path | None) -> dict[str, Any]:
     """A YAML mapping (an empty file or no path: ``{}``)."""
     if path is None:

@@ -29,7 +29,7 @@ from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError
 from pipeline.output import PieceWriter, RejectedWriter
 from pipeline.report import KeptTokenStats, count_annotations
-from pipeline.schema import FILTERED_SCHEMA, STAGES, to_table
+from pipeline.schema import FILTER_STAGES, FILTERED_SCHEMA, to_table
 from pipeline.sources import ReadStats, open_input
 from pipeline.staging import RunPaths
 from pipeline.steps.base import Doc, Step, is_dropped
@@ -43,9 +43,6 @@ from pipeline.steps.quality import QualityFilter
 from pipeline.steps.quality_classifier import QualityClassifier
 from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
 from pipeline.steps.url_filter import UrlBlocklist, UrlFilter
-
-# The stages the filter pass runs (and counts); the tokenize pass counts the rest.
-FILTER_STAGES = STAGES[: STAGES.index("dedup_exact")]
 
 
 def filter_steps(

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from ray.util.metrics import Counter, Gauge
 
 from pipeline.report import STEP_STAGE
-from pipeline.schema import STAGES
+from pipeline.schema import FILTER_STAGES, TOKENIZE_PASS_STAGES
 
 
 def stage_flow(summary: dict, stages: Sequence[str], docs_in: int) -> list[tuple[str, int, Tally]]:
@@ -57,8 +57,7 @@ class PipelineMetrics:
     """The run's instruments, fed with the file summaries the driver receives (``pipeline.executor``)."""
 
     def __init__(self, run: str) -> None:
-        self.run = ascii_label(run)
-        self.tags = {"run": self.run}
+        self.tags = {"run": ascii_label(run)}
         self.docs_in = Counter(
             "raylm_pipeline_documents_in", "Documents that reached the stage.", tag_keys=("run", "stage")
         )
@@ -96,12 +95,12 @@ class PipelineMetrics:
         if summary is None or name not in ("filter", "tokenize"):
             return
         if name == "filter":
-            self._stages(summary, STAGES[: STAGES.index("dedup_exact")], summary["records"])
+            self._stages(summary, FILTER_STAGES, summary["records"])
             if summary.get("bytes"):
                 self.input_bytes.inc(summary["bytes"], tags=self.tags)
         else:
             dropped = sum(n for _, _, n in summary["drops"])
-            self._stages(summary, STAGES[STAGES.index("dedup_exact") :], summary["kept"] + dropped)
+            self._stages(summary, TOKENIZE_PASS_STAGES, summary["kept"] + dropped)
             if summary["kept"]:
                 self.docs_kept.inc(summary["kept"], tags=self.tags)
         for step, seconds in summary["seconds"].items():

@@ -26,6 +26,9 @@ STAGES = (
     "dedup_minhash",
     "tokenize",
 )
+# The stages the filter pass runs and counts; the tokenize pass (dedup decisions, tokens) counts the rest.
+FILTER_STAGES = STAGES[: STAGES.index("dedup_exact")]
+TOKENIZE_PASS_STAGES = STAGES[len(FILTER_STAGES) :]
 
 RECORD_FIELDS = [
     pa.field("source", pa.string()),

@@ -181,19 +181,22 @@ class ProfileConfig(_Section):
     @field_validator("steps")
     @classmethod
     def _start_end(cls, value: str) -> str:
-        if value:
-            start, sep, end = value.partition(":")
-            if not (sep and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end)):
-                raise ValueError(f"{value!r} is not START:END with 0 <= START < END (steps START to END-1)")
+        if value and _window(value) is None:
+            raise ValueError(f"{value!r} is not START:END with 0 <= START < END (steps START to END-1)")
         return value
 
     @property
     def window(self) -> tuple[int, int] | None:
         """(START, END) of the profiled steps, END excluded; None when profiling is off."""
-        if not self.steps:
-            return None
-        start, _, end = self.steps.partition(":")
-        return int(start), int(end)
+        return _window(self.steps)
+
+
+def _window(text: str) -> tuple[int, int] | None:
+    """``"START:END"`` as (START, END) when 0 <= START < END; None for anything else ("" included)."""
+    start, sep, end = text.partition(":")
+    if not (sep and start.strip().isdigit() and end.strip().isdigit() and int(start) < int(end)):
+        return None
+    return int(start), int(end)
 
 
 class TrainConfig(_Section):

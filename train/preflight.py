@@ -111,11 +111,10 @@ def check_resources(config: TrainConfig, cluster: Mapping[str, float]) -> None:
 
 def check_extras(config: TrainConfig) -> None:
     """The packages the config asks for are installed (before any worker starts)."""
-    tracker = config.metrics.tracker
-    package = {"wandb": "wandb", "mlflow": "mlflow"}.get(tracker)
-    if package is not None and importlib.util.find_spec(package) is None:
+    tracker = config.metrics.tracker  # each tracker is the package of its name
+    if tracker != "none" and importlib.util.find_spec(tracker) is None:
         raise PreflightError(
-            f"metrics.tracker={tracker} but the {package} package is not installed (pip install 'raylm[tracking]')"
+            f"metrics.tracker={tracker} but the {tracker} package is not installed (pip install 'raylm[tracking]')"
         )
 
 

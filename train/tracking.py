@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Protocol
 
+from ground.overrides import dotted_keys
 from train.config import TrainConfig
 from train.run_dir import RunDir
 
@@ -43,18 +44,6 @@ def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
         for key, value in record.items()
         if isinstance(value, int | float) and not isinstance(value, bool) and key != "step" and math.isfinite(value)
     }
-
-
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": "0.001"}``."""
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out |= flatten(value, f"{name}.")
-        else:
-            out[name] = str(value)
-    return out
 
 
 class WandbTracker:
@@ -87,7 +76,7 @@ class MlflowTracker:
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         self.run_id = self.client.create_run(experiment_id, run_name=tags["raylm.run_id"], tags=tags).info.run_id
-        params = [Param(k, v[:MLFLOW_PARAM_CHARS]) for k, v in flatten(config.to_dict()).items()]
+        params = [Param(k, str(v)[:MLFLOW_PARAM_CHARS]) for k, v in dotted_keys(config.to_dict()).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
