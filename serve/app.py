@@ -55,6 +55,7 @@ from serve.config import DEFAULT_AUTOSCALING, DEFAULT_MAX_ONGOING_REQUESTS, AppA
 from serve.drain import RETRY_AFTER_S, ReplicaDrain, ShutdownCut
 from serve.metrics import ServeMetrics
 from serve.model_dir import ExportInfo, check_cpu_attention, hf_model_dir, read_export
+from serve.tracing import RequestTrace, RequestTracer, RequestTracing, add_engine_phase_spans, request_trace
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ install_error_handlers(api)
 # Starlette runs the middleware added last first: accounting wraps the key check, so a 401 is counted too.
 api.add_middleware(ApiKeyAuth)
 api.add_middleware(RequestAccounting)
+api.add_middleware(RequestTracing)  # outermost: a request's trace spans the key check and the accounting too
 
 
 class ModelDirOnTheNode(CallbackBase):
@@ -89,6 +91,8 @@ class ExportServer(LLMServer):
         config._engine_config = None  # derived from the model source and cached by LLMConfig: derive it anew
         log.info("vLLM loads %s (export %s)", local, source)
         await super().__init__(config, **kwargs)
+        if config.engine_kwargs.get("otlp_traces_endpoint") and not add_engine_phase_spans():
+            log.warning("tracing is on but vLLM set no tracer provider: its spans are not split into phases")
 
 
 class RayLMIngress(OpenAiIngress):
@@ -124,6 +128,7 @@ class RayLMIngress(OpenAiIngress):
             instance_name=self.replica,
             engine_replica_usd_per_hour=args.engine_replica_usd_per_hour(),
         )
+        self.tracer = RequestTracer(args.tracing, export.name, self.replica) if args.tracing.endpoint else None
         metrics_at = f"{self.metrics.host}:{self.metrics.port}"
         log.info("serving %s (lineage %s), metrics on %s", export.name, export.lineage_id, metrics_at)
 
@@ -165,7 +170,9 @@ class RayLMIngress(OpenAiIngress):
             prompts = [prompts]
         self._check_choices(len(prompts), body.n or 1)
         self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
-        return await self._engine_call(functools.partial(super().completions, body, request), request, arrival)
+        if trace := request_trace(request):
+            trace.record_prompt("\n".join(p for p in prompts if isinstance(p, str)))
+        return await self._engine_call(functools.partial(super().completions, body), request, arrival)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -174,13 +181,18 @@ class RayLMIngress(OpenAiIngress):
         self._check_chars(sum(_content_chars(m.get("content")) for m in body.messages), "messages")
         own = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         body.stop = [*own, *(s for s in self.args.chat_stop if s not in own)]
-        return await self._engine_call(functools.partial(super().chat, body, request), request, arrival)
+        if trace := request_trace(request):
+            trace.record_prompt(json.dumps(body.messages, default=str))
+        return await self._engine_call(functools.partial(super().chat, body), request, arrival)
 
     # ---- helpers -----------------------------------------------------------------------------------------
 
-    async def _engine_call(self, work: Callable[[], Awaitable[Response]], request: Request, arrival: float) -> Response:
+    async def _engine_call(
+        self, work: Callable[[Request], Awaitable[Response]], request: Request, arrival: float
+    ) -> Response:
         """The engine's answer to a request that passed the caps: refused while draining, counted in flight until its
-        response (or its stream) ends, and cut if the drain's deadline comes first."""
+        response (or its stream) ends, and cut if the drain's deadline comes first. ``work`` is called with the
+        request the engine sees (with the engine span's traceparent when the request is traced)."""
         if not self.drain.admit():
             raise APIError(
                 503,
@@ -190,29 +202,42 @@ class RayLMIngress(OpenAiIngress):
                 code="server_shutting_down",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        trace = request_trace(request)
         try:
             with engine_loss_as_503():
-                response = await self.drain.until_cut(work())
-        except ShutdownCut:
+                response = await self.drain.until_cut(work(trace.engine_request(request) if trace else request))
+        except ShutdownCut as exc:
             self.drain.finish(cut=True)
+            if trace:
+                trace.engine_done(exc)
             raise shutdown_cut() from None
-        except BaseException:
+        except BaseException as exc:
             self.drain.finish()
+            if trace:
+                trace.engine_done(exc)
             raise
-        return self._counted(response, request_outcome(request), arrival)
+        return self._counted(response, request_outcome(request), arrival, trace)
 
-    def _counted(self, response: Response, outcome: Outcome, arrival: float) -> Response:
-        """Record how the request ended (for the accounting's count) and its latency, as the client sees them."""
+    def _counted(self, response: Response, outcome: Outcome, arrival: float, trace: RequestTrace | None) -> Response:
+        """Record how the request ended (for the accounting's count, and its trace) and its latency, as the client
+        sees them."""
         if isinstance(response, StreamingResponse):
-            response.body_iterator = self._watch_stream(response.body_iterator, outcome, arrival)
+            if trace:
+                trace.first_output()  # the ingress returns a stream once its first chunk is in
+            response.body_iterator = self._watch_stream(response.body_iterator, outcome, arrival, trace)
             return response
         self.drain.finish()
+        if trace:
+            trace.engine_done()
+            trace.record_body(response.body)
         if response.status_code == 200:
             outcome.finish_reason = "length" if b'"finish_reason":"length"' in response.body else "stop"
             self.metrics.observe_duration(time.monotonic() - arrival)
         return response
 
-    async def _watch_stream(self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float) -> AsyncIterator[str]:
+    async def _watch_stream(
+        self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float, trace: RequestTrace | None
+    ) -> AsyncIterator[str]:
         """The engine's SSE chunks, passed on untouched; on the way: the finish reason, and an error the engine
         reported after the 200 went out (counted as the 500 it is). An engine that fails mid-stream (its replica
         died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut; so
@@ -224,6 +249,8 @@ class RayLMIngress(OpenAiIngress):
                     outcome.finish_reason = "length"
                 if 'data: {"error"' in chunk or '"object":"error"' in chunk:
                     outcome.status, outcome.finish_reason = 500, "error"
+                if trace:
+                    trace.record_chunk(chunk)
                 yield chunk
         except Exception as exc:  # not CancelledError: a client that leaves is counted as such by the accounting
             if isinstance(exc, ShutdownCut):
@@ -235,10 +262,14 @@ class RayLMIngress(OpenAiIngress):
                 log.exception("the engine failed mid-stream")
                 error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
             outcome.status, outcome.finish_reason = error.status_code, "error"
+            if trace:
+                trace.engine_done(exc)
             yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
             return
         finally:
             self.drain.finish(cut=cut)
+            if trace:
+                trace.engine_done()  # ended already when the engine failed
         if outcome.status is None:
             outcome.finish_reason = outcome.finish_reason or "stop"
             self.metrics.observe_duration(time.monotonic() - arrival)
@@ -290,6 +321,8 @@ class RayLMIngress(OpenAiIngress):
         # being one the drain waits for.
         self.metrics.close()
         self.drain.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 # An engine replica lost while it held a request (its process or node died): the answer serve/proxy_guard.py gives
@@ -350,6 +383,10 @@ def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
         "max_num_seqs": opts.max_batch_size,
         "chat_template": chat_template_jinja(opts.chat_message_template, opts.chat_assistant_prefix),
     }
+    if opts.tracing.endpoint:
+        # vLLM's own span per request (llm_request: its queue, prefill and decode times), a child of the ingress's
+        # engine span through the traceparent the ingress sends along (serve/tracing.py).
+        engine_kwargs["otlp_traces_endpoint"] = opts.tracing.endpoint
     if opts.replica_gpus:
         engine_kwargs["tensor_parallel_size"] = opts.replica_gpus
         bundles = [{"CPU": opts.replica_cpus, "GPU": 1}] + [{"GPU": 1}] * (opts.replica_gpus - 1)
@@ -379,7 +416,13 @@ def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
         placement_group_config={"bundles": bundles, "strategy": "STRICT_PACK"},
         callback_config={"callback_class": ModelDirOnTheNode},
         # vLLM's CPU build sizes its KV cache from this variable (the CUDA build ignores it).
-        runtime_env={"env_vars": {**opts.engine_env, "VLLM_CPU_KVCACHE_SPACE": str(opts.cpu_kv_cache_gib)}},
+        runtime_env={
+            "env_vars": {
+                **opts.tracing.engine_env(),
+                **opts.engine_env,
+                "VLLM_CPU_KVCACHE_SPACE": str(opts.cpu_kv_cache_gib),
+            }
+        },
         deployment_config=deployment,
         experimental_configs=experimental,
         log_engine_metrics=True,

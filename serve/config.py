@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import string
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -55,6 +56,45 @@ DEFAULT_AUTOSCALING: dict[str, Any] = {
     "upscale_delay_s": 10,
     "downscale_delay_s": 120,
 }
+
+
+class TracingConfig(BaseModel):
+    """Request traces (serve/tracing.py): off until ``endpoint`` is set.
+
+    One trace per request, exported by OTLP over HTTP (protobuf) to ``endpoint``, the collector's traces URL (an
+    OpenTelemetry Collector's is ``http://HOST:4318/v1/traces``; Jaeger, Tempo, Phoenix and an MLflow server take the
+    same protocol). ``headers`` go with every export (a backend's key, MLflow's ``x-mlflow-experiment-id``). The
+    prompt and completion text are left out unless ``record_text`` is set: they are user data, often personal, and a
+    trace backend is rarely access-controlled and retained like the data a model is trained on; with it set, each is
+    kept up to ``text_max_chars`` characters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    record_text: bool = False
+    text_max_chars: int = Field(4096, ge=1)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _otlp_http(cls, value: str | None) -> str | None:
+        if value is not None and (urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).netloc):
+            raise ValueError(
+                f"{value!r} is not an http:// or https:// URL: traces go by OTLP over HTTP (a collector's "
+                "http://HOST:4318/v1/traces); OTLP over gRPC is not supported"
+            )
+        return value
+
+    def engine_env(self) -> dict[str, str]:
+        """The environment that points vLLM's own exporter (in each engine replica) at the same collector: vLLM reads
+        the protocol and the headers from OpenTelemetry's standard variables, and exports by gRPC unless told."""
+        if self.endpoint is None:
+            return {}
+        env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "raylm-engine"}
+        if self.headers:
+            # The variable's format: comma-separated key=value pairs, values percent-encoded.
+            env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] = ",".join(f"{k}={quote(v)}" for k, v in self.headers.items())
+        return env
 
 
 class AppArgs(BaseModel):
@@ -119,6 +159,7 @@ class AppArgs(BaseModel):
     # replica_cpus CPUs) costs per hour, and the dashboard shows the spend rate, USD per 1M output tokens and per
     # request from the measured throughput.
     cost: CostConfig = Field(default_factory=CostConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     def engine_replica_usd_per_hour(self) -> float | None:
         """What one engine replica's reservation costs per hour at ``cost``'s prices (None: no price set)."""
@@ -140,7 +181,7 @@ class AppArgs(BaseModel):
     @classmethod
     def _engine_kwargs_not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
         ours = {"max_num_seqs": "max_batch_size", "chat_template": "chat_message_template",
-                "tensor_parallel_size": "replica_gpus"}  # fmt: skip
+                "tensor_parallel_size": "replica_gpus", "otlp_traces_endpoint": "tracing.endpoint"}  # fmt: skip
         for key, field in ours.items():
             if key in value:
                 raise ValueError(f"{key} is set by raylm from {field}: set {field} instead")

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
 import yaml
+from mlflow_server import running_mlflow_server
 from prometheus_helpers import DASHBOARDS, alerts, query, ray_metrics_target, running_prometheus, scalar, wait_for
 from serve_fixtures import fast_start, running_app, split_documents
 
@@ -93,8 +97,18 @@ def evalset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_export, evalset, tmp_path_factory):
-    """(app base URL, Prometheus URL, app args): the trained model with its canary every CANARY_INTERVAL."""
+def trace_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(MLflow server URL, experiment id): the request traces' backend, an MLflow server taking OTLP/HTTP."""
+    from mlflow.tracking import MlflowClient
+
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as (url, _):
+        yield url, MlflowClient(url).create_experiment("raylm-serve-traces")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_export, evalset, trace_backend, tmp_path_factory):
+    """(app base URL, Prometheus URL, app args): the trained model with its canary every CANARY_INTERVAL, tracing
+    every request to the MLflow server of ``trace_backend``."""
     sd_dir = tmp_path_factory.mktemp("prom-sd")
     port = free_port()
     args = {
@@ -110,6 +124,10 @@ def stack(tiny_export, evalset, tmp_path_factory):
         # The trained model scores about -4.7 nats/token on these items, the shuffled one about -6.5.
         "canary_min_score": -5.8,
         "cost": {"usd_per_cpu_hour": USD_PER_CPU_HOUR},  # the cost panels' price
+        "tracing": {
+            "endpoint": f"{trace_backend[0]}/v1/traces",
+            "headers": {"x-mlflow-experiment-id": trace_backend[1]},
+        },
     }
     with pytest.MonkeyPatch.context() as env:
         # Read by every Ray process at start (raylet, workers, the metrics agent): Ray's export every 1 s.
@@ -287,6 +305,81 @@ def test_overload_waits_in_the_router_where_only_ray_serve_metrics_see_it(stack)
     queued = f'max_over_time(sum(ray_serve_deployment_queued_queries{{deployment="{ENGINE}"}})[2m:1s])'
     seen["peak_queued"] = wait_for(lambda: query(prom, queued), what="the router queue in Prometheus")[0]["value"][1]
     log.info("overload burst: %s", seen)
+
+
+def read_trace(backend: tuple[str, str], trace_id: str, spans: set[str]) -> dict[str, Any]:
+    """The trace's spans by name, read back from the backend once every name in ``spans`` is there (the ingress and
+    the engine replica export in batches, each on its own schedule)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(backend[0])
+
+    def complete() -> dict[str, Any] | None:
+        for trace in client.search_traces(locations=[backend[1]]):
+            if trace.info.trace_id == f"tr-{trace_id}":
+                by_name = {span.name: span for span in trace.data.spans}
+                if spans <= by_name.keys():
+                    assert len(by_name) == len(trace.data.spans), [s.name for s in trace.data.spans]
+                    return by_name
+        return None
+
+    return wait_for(complete, timeout=60, what=f"trace {trace_id} with spans {sorted(spans)} in MLflow")
+
+
+def test_a_request_is_one_trace_joined_to_the_clients_from_ingress_to_vllms_phases(stack, trace_backend) -> None:
+    base_url, _, _ = stack
+    results = {}
+    for stream in (False, True):
+        trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+        body = {"prompt": "The council met", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+        resp = requests.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        usage = (events[-1] if stream else resp.json())["usage"]
+        results[stream] = (trace_id, client_span, usage)
+
+    phases = ("vllm.queue", "vllm.prefill", "vllm.decode")
+    names = {"POST /v1/completions", "raylm.ingress", "raylm.engine", "raylm.response", "llm_request", *phases}
+    for stream, (trace_id, client_span, usage) in results.items():
+        spans = read_trace(trace_backend, trace_id, names)
+        assert spans.keys() == names
+        root, engine, vllm = spans["POST /v1/completions"], spans["raylm.engine"], spans["llm_request"]
+        # The client's span is the parent of the server span; the rest hang under it, vLLM's under the engine call.
+        assert root.parent_id == client_span
+        assert {spans[n].parent_id for n in ("raylm.ingress", "raylm.engine", "raylm.response")} == {root.span_id}
+        assert vllm.parent_id == engine.span_id
+        assert {spans[n].parent_id for n in phases} == {vllm.span_id}
+        # Token counts: the response's usage, as the ingress read it and as vLLM counted it.
+        assert usage["completion_tokens"] == TOKENS
+        assert root.attributes["gen_ai.usage.output_tokens"] == vllm.attributes["gen_ai.usage.completion_tokens"]
+        assert root.attributes["gen_ai.usage.output_tokens"] == TOKENS
+        assert root.attributes["gen_ai.usage.input_tokens"] == vllm.attributes["gen_ai.usage.prompt_tokens"]
+        assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+        assert root.attributes["gen_ai.request.model"] == MODEL
+        assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert root.attributes["http.response.status_code"] == 200
+        # The phases lie back to back inside vLLM's span, which lies inside the engine call, inside the request.
+        starts = [spans[n].start_time_ns for n in phases] + [vllm.end_time_ns]
+        assert starts == sorted(starts) and vllm.start_time_ns <= starts[0]
+        assert root.start_time_ns <= engine.start_time_ns <= vllm.start_time_ns
+        assert vllm.end_time_ns <= engine.end_time_ns <= root.end_time_ns
+        # Text stays out unless tracing.record_text is set.
+        assert "gen_ai.prompt" not in root.attributes and "gen_ai.completion" not in root.attributes
+        if stream:  # the time to first token, as the ingress saw it, within the request
+            ttft = root.attributes["gen_ai.server.time_to_first_token"]
+            assert 0 < ttft * 1e9 < root.end_time_ns - root.start_time_ns
+
+    # A request the ingress refuses ends at the ingress: no engine span, the refusal's status on the server span.
+    trace_id = secrets.token_hex(16)
+    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    resp = requests.post(f"{base_url}/v1/completions", json={"prompt": "x", "n": 1000}, headers=headers, timeout=30)
+    assert resp.status_code == 400
+    spans = read_trace(trace_backend, trace_id, {"POST /v1/completions", "raylm.ingress", "raylm.response"})
+    assert spans.keys() == {"POST /v1/completions", "raylm.ingress", "raylm.response"}
+    assert spans["POST /v1/completions"].attributes["http.response.status_code"] == 400
 
 
 def test_every_dashboard_panel_query_returns_data(stack) -> None:

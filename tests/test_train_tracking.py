@@ -4,26 +4,21 @@ by a reader of its own format written here (not wandb's), and an MLflow tracking
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
-from prometheus_helpers import wait_for
+from mlflow_server import running_mlflow_server
 from train_fixtures import tiny_overrides
 
-from ground.dist import free_port
 from train.config import TrainConfig, load_config
 from train.metrics import read_metrics
 from train.parallel import DistContext
@@ -127,38 +122,6 @@ def manifest_sha256(data: Path) -> str:
 
 
 # ---- MLflow, a tracking server started here ---------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running_mlflow_server(work: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``mlflow server`` on a SQLite store and a loopback port, in its own process group; yields (URL, process)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
-           "--default-artifact-root", str(work / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]  # fmt: skip
-    log = (work / "server.log").open("w")
-    server = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert server.poll() is None, (work / "server.log").read_text()[-3000:]
-        try:
-            return requests.get(f"{url}/health", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    try:
-        wait_for(healthy, timeout=120, what="mlflow server to answer /health")
-        yield url, server
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # a test may have killed it already
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
