@@ -14,6 +14,7 @@ from pipeline.steps.decontaminate import DecontaminationConfig
 from pipeline.steps.dedup import DedupConfig
 from pipeline.steps.extract import ExtractConfig
 from pipeline.steps.language import LanguageConfig
+from pipeline.steps.perplexity import PerplexityConfig
 from pipeline.steps.pii import PiiConfig
 from pipeline.steps.quality import QualityConfig
 from pipeline.steps.quality_classifier import ClassifierConfig
@@ -50,6 +51,7 @@ class PipelineConfig(BaseModel):
     language: LanguageConfig = Field(default_factory=LanguageConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
     classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
+    perplexity: PerplexityConfig = Field(default_factory=PerplexityConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)

@@ -2,13 +2,15 @@
 from small per-file summaries. Workers read the inputs and write every data file (see ``file_tasks``).
 
 1. filter    (Ray Data, one task per input file): read → extract → url_filter → language → quality →
-             classifier → decontamination → pii → dedup keys, persisted as ``work/filtered/FFFFF.parquet``. The
-             URL blocklist and the eval-set n-gram index are built once by the driver and put once in the object
-             store; each task gets references to them (the classifier model is loaded by path in each worker).
+             classifier → perplexity → decontamination → pii → dedup keys, persisted as
+             ``work/filtered/FFFFF.parquet``. The URL blocklist and the eval-set n-gram index are built once by the
+             driver and put once in the object store; each task gets references to them (the classifier model is
+             loaded by path in each worker). With the perplexity stage on, an actor pool runs the pass instead:
+             each actor loads the language model once, on a GPU of its own when the cluster has GPUs.
 2. dedup     (Ray Data over the persisted keys → index shard actors): LSH buckets, verified candidates, clusters
              by min-label propagation among the shards, decisions written by each shard.
 3. tokenize  (a worker trains the BPE on the kept text; Ray Data, one task per input file): decisions applied,
-             tokens, ``rejected/`` parts and token pieces.
+             perplexity buckets (cut-offs from the filter pass's histograms), tokens, ``rejected/`` parts and pieces.
 4. pack      (Ray tasks): consecutive pieces joined into ``tokens/{split}-NNNNN.bin`` + ``documents/``.
 
 Every file is written straight to the output (a local directory or an ``s3://``/``gs://`` prefix, through
@@ -37,7 +39,7 @@ from ground.logsetup import stderr_console
 from ground.storage import Location, StorageError, remove_partial_writes
 from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError, PipelineOutputError
-from pipeline.file_tasks import filter_file, index_file, tokenize_file, train_tokenizer_on_kept
+from pipeline.file_tasks import FilterFiles, filter_file, index_file, tokenize_file, train_tokenizer_on_kept
 from pipeline.metrics import PipelineMetrics, ascii_label
 from pipeline.output import pack_shard, plan_shards, write_empty_rejected
 from pipeline.progress import PassProgress
@@ -46,15 +48,16 @@ from pipeline.run_inputs import RunInputs, gather_inputs
 from pipeline.sources import InputFile
 from pipeline.staging import RunPaths, RunStaging
 from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
+from pipeline.steps.perplexity import bucket_cutoffs, merged_histogram
 from pipeline.steps.tokenize import load_tokenizer, token_dtype, tokenizer_from_json
 
 log = logging.getLogger("pipeline")
 
 # What each Ray Data pass runs, in the name its dataset carries on the Ray dashboard.
 PASS_STEPS = {
-    "filter": "extract, url_filter, language, quality, classifier, decontamination, pii, dedup keys",
+    "filter": "extract, url_filter, language, quality, classifier, perplexity, decontamination, pii, dedup keys",
     "dedup": "dedup keys into the index shards",
-    "tokenize": "dedup decisions, tokenize, rejected",
+    "tokenize": "dedup decisions, perplexity buckets, tokenize, rejected",
 }
 
 
@@ -158,6 +161,7 @@ class PipelineRun:
         self.blocklist = gathered.blocklist
         self.contamination = gathered.contamination
         self.classifier = gathered.classifier
+        self.perplexity_model = gathered.perplexity_model
         # The files' hashes join the config in the resume check: the same path with new content is another run.
         self.resources = gathered.resources
         # Checked before Ray starts: a wrong output, or a resume of another config or input list, fails fast.
@@ -199,10 +203,13 @@ class PipelineRun:
         fn_kwargs: dict,
         count_bytes: bool,
         on_file: Callable[[], None] | None = None,
+        actors: dict | None = None,
     ) -> list[dict]:
         """Run ``fn`` once per input file not yet done (Ray Data streams them with backpressure). ``fn`` returns
         ``{"summary": json}`` and, when ``staging`` is given, leaves the marker ``{name}-FFFFF``. Each file's
-        summary goes to the run's metrics as it arrives; ``on_file`` is called after each."""
+        summary goes to the run's metrics as it arrives; ``on_file`` is called after each. ``actors``: ``fn`` is a
+        class, run in an actor pool with these options of ``Dataset.map`` (its constructor's arguments, the pool
+        size, the resources of each actor)."""
         finished = staging.finished() if staging is not None else set()
         summaries = {
             it["index"]: staging.read_marker(f"{name}-{it['index']:05d}")
@@ -216,7 +223,9 @@ class PipelineRun:
         self.metrics.pass_started(name, len(todo))
         with PassProgress(self.console, name, len(items), total_bytes, len(summaries), done_bytes) as bar:
             if todo:
-                ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(fn, fn_kwargs=fn_kwargs)
+                ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(
+                    fn, fn_kwargs=fn_kwargs, **(actors or {})
+                )
                 # The Ray dashboard lists datasets by name: this one says which pass and run it is.
                 ds.set_name(ascii_label(f"raylm {name} ({PASS_STEPS[name]}) for {self.output.name}"))
                 for row in ds.iter_rows():
@@ -348,10 +357,18 @@ class PipelineRun:
             "blocklist": None if self.blocklist is None else ray.put(self.blocklist),
             "contamination": None if self.contamination is None else ray.put(self.contamination),
             "classifier_sha256": self.classifier["sha256"] if self.classifier else None,
+            "perplexity_sha256": self.perplexity_model["sha256"] if self.perplexity_model else None,
         }
-        filtered = self._map_files(
-            staging, "filter", filter_file, items, {"paths": paths, "config": cfg, **shared}, True
-        )
+        filter_kwargs = {"paths": paths, "config": cfg, **shared}
+        if cfg.perplexity.active:
+            filtered = self._map_files(
+                staging, "filter", FilterFiles, items, filter_kwargs, True, actors=self._scoring_actors()
+            )
+        else:
+            filtered = self._map_files(staging, "filter", filter_file, items, filter_kwargs, True)
+        self.perplexity_cutoffs = None
+        if cfg.perplexity.active and cfg.perplexity.buckets:
+            self.perplexity_cutoffs = bucket_cutoffs(merged_histogram(filtered), cfg.perplexity.bucket_quantiles)
         dedup = self._dedup(staging, items, filtered)
         tokenizer, tokenizer_seconds = self._tokenizer(staging, items)
         tokenized = self._map_files(
@@ -359,7 +376,12 @@ class PipelineRun:
             "tokenize",
             tokenize_file,
             items,
-            {"paths": paths, "config": cfg, "tokenizer_json": tokenizer.to_str()},
+            {
+                "paths": paths,
+                "config": cfg,
+                "tokenizer_json": tokenizer.to_str(),
+                "perplexity_cutoffs": self.perplexity_cutoffs,
+            },
             False,
         )
         shards = self._pack(staging, tokenized)
@@ -368,6 +390,19 @@ class PipelineRun:
         return self._write_manifest_and_report(
             staging, filtered, dedup, tokenized, shards, tokenizer, tokenizer_seconds, started
         )
+
+    def _scoring_actors(self) -> dict:
+        """The filter pass's actor pool when the perplexity stage is on: one actor per GPU of the cluster, each
+        holding one (or, without GPUs, one per CPU), unless ``perplexity.actors`` says how many."""
+        cfg = self.config.perplexity
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0)) if cfg.device != "cpu" else 0
+        size = cfg.actors or max(1, gpus or int(resources.get("CPU", 1)))
+        return {
+            "fn_constructor_kwargs": {"config": self.config, "perplexity_sha256": self.perplexity_model["sha256"]},
+            "concurrency": size,
+            "num_gpus": 1 if gpus else 0,
+        }
 
     def _write_manifest_and_report(
         self,
@@ -446,6 +481,14 @@ class PipelineRun:
                 "banned_substrings": len(self.config.url_filter.banned_substrings),
             },
             "classifier": {"model": self.classifier, "threshold": self.config.classifier.threshold},
+            "perplexity": {
+                "model": self.perplexity_model,
+                "max_perplexity": self.config.perplexity.max_perplexity,
+                "bucket_quantiles": list(self.config.perplexity.bucket_quantiles),
+                # Per language: the perplexities at the bucket quantiles (head at or below the first, tail above
+                # the second), computed over this run's kept documents.
+                "bucket_cutoffs": self.perplexity_cutoffs,
+            },
             "decontamination": {
                 "action": self.config.decontamination.action,
                 "ngram": self.config.decontamination.ngram,

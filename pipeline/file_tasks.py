@@ -2,9 +2,11 @@
 directory and returns only a small summary (counts, seconds, hashes) to the driver.
 
 * :func:`filter_file` — read (local or remote, retried), extract → url_filter → language → quality →
-  classifier → decontamination → pii (:func:`filter_steps`), dedup keys; writes ``work/filtered/FFFFF.parquet``.
+  classifier → perplexity → decontamination → pii (:func:`filter_steps`), dedup keys; writes
+  ``work/filtered/FFFFF.parquet``. :class:`FilterFiles` runs it in an actor pool when the perplexity stage is on.
 * :func:`index_keys` — a batch of persisted keys into the dedup index shards (Ray actors).
-* :func:`tokenize_file` — apply the dedup decisions, tokenize, write ``rejected/`` parts and token pieces.
+* :func:`tokenize_file` — apply the dedup decisions, the perplexity buckets, tokenize, write ``rejected/`` parts
+  and token pieces.
 * :func:`train_tokenizer_on_kept` — the BPE on the kept text, in file order.
 
 Every function is a pure function of its input file, the config and the earlier passes' outputs, which is what
@@ -38,6 +40,13 @@ from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch
 from pipeline.steps.dedup_index import shard_part
 from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
 from pipeline.steps.language import LanguageFilter
+from pipeline.steps.perplexity import (
+    PerplexityBuckets,
+    PerplexityFilter,
+    histogram,
+    load_scorer,
+    summary_histogram,
+)
 from pipeline.steps.pii import MaskPii
 from pipeline.steps.quality import QualityFilter
 from pipeline.steps.quality_classifier import QualityClassifier
@@ -50,16 +59,18 @@ def filter_steps(
     blocklist: UrlBlocklist | None = None,
     contamination: ContaminationIndex | None = None,
     classifier_sha256: str | None = None,
+    perplexity_sha256: str | None = None,
 ) -> list[Step]:
     """The steps after extract, in order (``STAGES``). The URL blocklist and the eval-set index are built once by
     the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests. The
-    classifier model is loaded by path once per worker process; ``classifier_sha256`` is the driver's hash of it
-    (None: hashed here)."""
+    classifier and perplexity models are loaded by path once per worker process; ``classifier_sha256`` and
+    ``perplexity_sha256`` are the driver's hashes of them (None: hashed here)."""
     return [
         UrlFilter(config.url_filter, blocklist),
         LanguageFilter(config.language),
         QualityFilter(config.quality),
         QualityClassifier(config.classifier, classifier_sha256),
+        PerplexityFilter(config.perplexity, perplexity_sha256),
         Decontaminate(config.decontamination, contamination),
         MaskPii(config.pii),
     ]
@@ -150,16 +161,19 @@ def filter_file(
     blocklist: Any = None,
     contamination: Any = None,
     classifier_sha256: str | None = None,
+    perplexity_sha256: str | None = None,
 ) -> dict:
     """Pass 1 for one input file; returns its summary (also written as the file's marker). ``blocklist`` and
     ``contamination`` are object references (or None) to what the driver built once for the run;
-    ``classifier_sha256`` is the driver's hash of the classifier model (a string: it travels as is)."""
+    ``classifier_sha256`` and ``perplexity_sha256`` are the driver's hashes of the models (strings: they travel as
+    they are)."""
     index, uri = item["index"], item["uri"]
     seconds: Counter = Counter()
     drops: Counter = Counter()
     counts: Counter = Counter()
     records = 0
-    steps = filter_steps(config, _resolved(blocklist), _resolved(contamination), classifier_sha256)
+    steps = filter_steps(config, _resolved(blocklist), _resolved(contamination), classifier_sha256, perplexity_sha256)
+    perplexities: Counter = Counter()
     keys = DedupKeys(config.dedup)
     stats = ReadStats()
     with paths.filtered(index).open_output() as out, pq.ParquetWriter(out, FILTERED_SCHEMA) as writer:
@@ -174,6 +188,7 @@ def filter_file(
             records += len(block)
             drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
             counts.update(count_annotations(block))
+            perplexities.update(histogram(block))
             writer.write_table(to_table(block, FILTERED_SCHEMA))
     summary = {
         "index": index,
@@ -186,9 +201,23 @@ def filter_file(
         "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
         "counts": [[stage, key, n] for (stage, key), n in sorted(counts.items())],
         "seconds": dict(seconds),
+        # The kept documents' perplexities, for the run's head / middle / tail cut-offs (empty with the stage off).
+        "perplexity_histogram": summary_histogram(perplexities),
     }
     paths.done(f"filter-{index:05d}").write_json(summary)
     return {"summary": json.dumps(summary)}
+
+
+class FilterFiles:
+    """The filter pass's work, in a Ray Data actor pool (used when the perplexity stage is on): each actor loads
+    the language model once, in its constructor, on its GPU when it was given one, and then filters file after
+    file with it (``filter_file`` finds it in the process's cache)."""
+
+    def __init__(self, config: PipelineConfig, perplexity_sha256: str | None) -> None:
+        load_scorer(str(config.perplexity.model), perplexity_sha256, config.perplexity.device)
+
+    def __call__(self, item: dict, **kwargs: Any) -> dict:
+        return filter_file(item, **kwargs)
 
 
 KEY_COLUMNS = ["warc_record_id", "source", "source_offset", "reason", "exact_key", "signature", "shingles"]
@@ -278,14 +307,22 @@ def train_tokenizer_on_kept(paths: RunPaths, items: list[dict], config: Pipeline
 
 
 @reports_input_errors
-def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer_json: str) -> dict:
-    """Pass 3 for one input file: dedup decisions, tokens, ``rejected/`` parts and token pieces."""
+def tokenize_file(
+    item: dict,
+    paths: RunPaths,
+    config: PipelineConfig,
+    tokenizer_json: str,
+    perplexity_cutoffs: dict[str, list[float]] | None = None,
+) -> dict:
+    """Pass 3 for one input file: dedup decisions, perplexity buckets (from the run's ``perplexity_cutoffs``),
+    tokens, ``rejected/`` parts and token pieces."""
     index, uri = item["index"], item["uri"]
     seconds: Counter = Counter()
     drops: Counter = Counter()
     started = time.perf_counter()
     mark = MarkDuplicates(load_decisions(paths, uri))
     seconds["dedup_mark"] += time.perf_counter() - started
+    buckets = PerplexityBuckets(perplexity_cutoffs) if perplexity_cutoffs else None
     tokenize = TokenizeDocs(tokenizer_json, config.tokenize)
     dtype = token_dtype(tokenizer_from_json(tokenizer_json).get_vocab_size())
     writers = {
@@ -300,6 +337,8 @@ def tokenize_file(item: dict, paths: RunPaths, config: PipelineConfig, tokenizer
         started = time.perf_counter()
         mark(rows)
         seconds["dedup_mark"] += time.perf_counter() - started
+        if buckets is not None:
+            buckets(rows)
         started = time.perf_counter()
         tokenize(rows)
         seconds["tokenize"] += time.perf_counter() - started

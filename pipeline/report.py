@@ -221,6 +221,20 @@ def render_markdown(report: dict) -> str:
             f"Quality classifier: `{model['path']}` (sha256 {model['sha256'][:16]}…), keeps P(hq) ≥ "
             f"{report['classifier']['threshold']}.",
         ]
+    perplexity = report.get("perplexity") or {}
+    if perplexity.get("model"):
+        model = perplexity["model"]
+        limit = perplexity["max_perplexity"]
+        lines += [
+            "",
+            f"Perplexity: `{model['path']}` (sha256 {model['sha256'][:16]}…), "
+            + (f"drops documents above {limit}." if limit is not None else "drops none."),
+        ]
+        if perplexity.get("bucket_cutoffs"):
+            head, tail = perplexity["bucket_quantiles"]
+            lines += ["", f"| language | head: perplexity ≤ (q {head:.3g}) | tail: perplexity > (q {tail:.3g}) |",
+                      "|---|---:|---:|"]  # fmt: skip
+            lines += [f"| {lang} | {edges[0]} | {edges[1]} |" for lang, edges in perplexity["bucket_cutoffs"].items()]
     decont = report.get("decontamination", {})
     if decont.get("eval_sets"):
         lines += [

@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.config import PipelineConfig
 from pipeline.sources import InputFile, list_inputs
 from pipeline.steps.decontaminate import build_index
+from pipeline.steps.perplexity import describe_model as describe_lm
 from pipeline.steps.quality_classifier import describe_model
 from pipeline.steps.url_filter import load_blocklist
 
@@ -24,6 +25,7 @@ class RunInputs:
     blocklist: Any  # pipeline.steps.url_filter's Blocklist, or None
     contamination: Any  # pipeline.steps.decontaminate's n-gram index, or None
     classifier: dict[str, Any] | None  # the quality classifier's path and sha256, or None
+    perplexity_model: dict[str, Any] | None = None  # the perplexity stage's model directory and its hash, or None
 
     @property
     def resources(self) -> dict[str, Any]:
@@ -33,6 +35,7 @@ class RunInputs:
             "eval_sets": {e["name"]: e for e in self.contamination.describe()} if self.contamination else {},
             # A retrained model at the same path is another run: --resume refuses it, naming the sha256.
             "quality_classifier": self.classifier,
+            "perplexity_model": self.perplexity_model,
         }
 
     def identity(self, config: PipelineConfig) -> dict[str, Any]:
@@ -56,4 +59,5 @@ def gather_inputs(
         contamination=build_index(config.decontamination),
         # Hashed once here; the workers load the model by path and check this hash on their one load.
         classifier=describe_model(config.classifier.model) if config.classifier.active else None,
+        perplexity_model=describe_lm(config.perplexity.model) if config.perplexity.active else None,
     )

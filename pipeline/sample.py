@@ -54,6 +54,8 @@ def print_sample(
             head += f"  pii: {masked}"
         if row.get("classifier_score") is not None:
             head += f"  classifier P(hq)={row['classifier_score']:.3f}"
+        if row.get("perplexity") is not None:
+            head += f"  perplexity={row['perplexity']:.1f} ({row.get('perplexity_bucket') or 'no bucket'})"
         if row.get("contamination"):
             head += f"  [yellow]contamination: {row['contamination']}[/]"
         if rejected:

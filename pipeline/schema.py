@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from pipeline.steps.perplexity import BUCKET_COLUMN
+from pipeline.steps.perplexity import SCORE_COLUMN as PERPLEXITY_COLUMN
 from pipeline.steps.pii import PII_COLUMNS
 from pipeline.steps.quality import QUALITY_SIGNALS
 from pipeline.steps.quality_classifier import SCORE_COLUMN
@@ -20,6 +22,7 @@ STAGES = (
     "language",
     "quality",
     "classifier",
+    "perplexity",
     "decontamination",
     "pii",
     "dedup_exact",
@@ -41,8 +44,12 @@ RECORD_FIELDS = [
     pa.field("language", pa.string()),
     pa.field("language_score", pa.float64()),
 ]
-# The rule signals, then the trained classifier's P(hq) (null when the classifier stage is off).
-SIGNAL_FIELDS = [pa.field(name, pa.float64()) for name in (*QUALITY_SIGNALS, SCORE_COLUMN)]
+# The rule signals, then the trained classifier's P(hq) and the reference LM's perplexity (null when their stage is
+# off), and the perplexity's head / middle / tail within its language over the run (set in the tokenize pass).
+SIGNAL_FIELDS = [
+    *(pa.field(name, pa.float64()) for name in (*QUALITY_SIGNALS, SCORE_COLUMN, PERPLEXITY_COLUMN)),
+    pa.field(BUCKET_COLUMN, pa.string()),
+]
 # What decontamination and PII masking found: the eval sets a document matched (comma-separated, null when none
 # or the stage is off; kept documents carry it under ``action: flag``) and the placeholders of each PII type.
 ANNOTATION_FIELDS = [

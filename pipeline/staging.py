@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 # 2: url_filter, decontamination and pii stages (new columns in work/filtered/) and the resources check.
 # 3: the classifier stage (classifier_score column, the model in resources); kept_stats in tokenize markers.
 # 4: the output is built in place, its state under OUTPUT/.staging (was a sibling directory, renamed at the end).
-STATE_VERSION = 4
+# 5: the perplexity stage (perplexity and perplexity_bucket columns, the model in resources, histograms in markers).
+STATE_VERSION = 5
 MANIFEST = "manifest.json"
 STAGING = ".staging"
 

@@ -320,3 +320,11 @@ def test_train_gpu_bench_smoke(tmp_path, token_dir):
     assert det["fresh_runs_bitwise_equal"] and det["resume_bitwise_equal"], det
     assert len(det["losses"]["resumed"]) == det["steps"] == 2
     assert "| single | " in proc.stdout and "two fresh runs bitwise equal: True" in proc.stdout
+
+
+def test_perplexity_bench_smoke(tmp_path):
+    # --make-model at its smallest: a 1 x 64 GPT with untrained weights, 8 documents, one round.
+    args = ["--docs", "8", "--rounds", "1", "--make-model", str(tmp_path / "lm"), "--layers", "1", "--width", "64"]
+    proc = run_script(str(BENCH / "perplexity_bench.py"), "--input", str(REPO / "data" / "sample"), *args)
+    assert "| perplexity | " in proc.stdout and "| classifier | " in proc.stdout
+    assert "perplexity / classifier: " in proc.stdout
