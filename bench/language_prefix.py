@@ -12,7 +12,6 @@ differ (English at score >= 0.65, the default). The whole text is the reference,
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from spread import quartiles  # noqa: E402  (bench/spread.py, beside this script)
 
 from pipeline.sources import list_inputs  # noqa: E402
 from pipeline.steps.base import is_dropped  # noqa: E402
@@ -39,13 +40,6 @@ def timed_run(texts: list[str], max_chars: int | None) -> tuple[float, list[tupl
     started = time.perf_counter()
     LanguageFilter(LanguageConfig(max_chars=max_chars))(docs)
     return time.perf_counter() - started, [(d["language"], not is_dropped(d)) for d in docs]
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q2, q1, q3
 
 
 def main(argv: list[str] | None = None) -> int:

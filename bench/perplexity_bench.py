@@ -18,7 +18,6 @@ whatever the weights, so it times a model of that shape without training one.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from spread import quartiles  # noqa: E402  (bench/spread.py, beside this script)
 
 from pipeline.sources import list_inputs  # noqa: E402
 from pipeline.steps.base import is_dropped  # noqa: E402
@@ -80,13 +81,6 @@ def timed(step: object, texts: list[str]) -> float:
     started = time.perf_counter()
     step(docs)  # type: ignore[operator]
     return (time.perf_counter() - started) * 1000 / len(texts)
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q2, q1, q3
 
 
 def main(argv: list[str] | None = None) -> int:

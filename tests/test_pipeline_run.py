@@ -127,6 +127,7 @@ def test_every_record_is_kept_or_rejected_exactly_once(sample_run):
         "language",
         "quality",
         "classifier",
+        "perplexity",
         "decontamination",
         "pii",
         "dedup_exact",
