@@ -397,6 +397,8 @@ class PipelineRun:
         cfg = self.config.perplexity
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0)) if cfg.device != "cpu" else 0
+        if cfg.device == "cuda" and not gpus:
+            raise PipelineInputError("perplexity.device is cuda, but this Ray cluster has no GPU (use auto or cpu)")
         size = cfg.actors or max(1, gpus or int(resources.get("CPU", 1)))
         return {
             "fn_constructor_kwargs": {"config": self.config, "perplexity_sha256": self.perplexity_model["sha256"]},

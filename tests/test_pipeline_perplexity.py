@@ -162,6 +162,10 @@ def test_a_pipeline_run_scores_drops_and_buckets_in_an_actor_pool(
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         report = run_pipeline(str(source.parent), out, config)
+        # On a cluster without GPUs, a model asked onto one is refused by name before any file is read.
+        on_gpu = config.model_copy(update={"perplexity": config.perplexity.model_copy(update={"device": "cuda"})})
+        with pytest.raises(PipelineInputError, match=r"perplexity\.device is cuda.*no GPU"):
+            run_pipeline(str(source.parent), tmp_path / "out-gpu", on_gpu)
     finally:
         ray.shutdown()
 
