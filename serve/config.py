@@ -75,6 +75,15 @@ class TracingConfig(BaseModel):
     record_text: bool = False
     text_max_chars: int = Field(4096, ge=1)
 
+    @field_validator("headers", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value: Any) -> Any:
+        # --set and YAML read `x-mlflow-experiment-id=1` as a number; a header's value is its text.
+        if isinstance(value, dict):
+            numbers = {k: str(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            return {**value, **numbers}
+        return value
+
     @field_validator("endpoint")
     @classmethod
     def _otlp_http(cls, value: str | None) -> str | None:

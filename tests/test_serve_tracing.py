@@ -100,3 +100,12 @@ def test_vllms_exporter_is_pointed_at_the_same_collector_and_its_own_endpoint_is
     assert TracingConfig().engine_env() == {}
     with pytest.raises(ValidationError, match=r"set tracing\.endpoint instead"):
         AppArgs(model="m", engine_kwargs={"otlp_traces_endpoint": "http://c:4318/v1/traces"})
+
+
+def test_headers_given_on_the_command_line_reach_the_config_as_text() -> None:
+    from ground.overrides import apply_overrides, parse_set
+
+    args = {"model": "m"}
+    sets = ["tracing.endpoint=http://mlflow:5000/v1/traces", "tracing.headers.x-mlflow-experiment-id=1"]
+    apply_overrides(args, parse_set(sets))
+    assert AppArgs.model_validate(args).tracing.headers == {"x-mlflow-experiment-id": "1"}
