@@ -188,7 +188,8 @@ def filter_file(
             records += len(block)
             drops.update((d["stage"], d["reason"]) for d in block if is_dropped(d))
             counts.update(count_annotations(block))
-            perplexities.update(histogram(block))
+            if config.perplexity.active:
+                perplexities.update(histogram(block))
             writer.write_table(to_table(block, FILTERED_SCHEMA))
     summary = {
         "index": index,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ground.hashing import sha256_file, sha256_json
 from pipeline.errors import PipelineInputError
 from pipeline.steps.base import Doc, Step, drop
+from pipeline.steps.verified_models import VerifiedModels
 
 STAGE = "perplexity"
 REASON = "perplexity:too_high"
@@ -167,25 +167,14 @@ class PerplexityScorer:
         return out
 
 
-_SCORERS: dict[tuple[str, str, str], PerplexityScorer] = {}
-_LOCK = threading.Lock()
+_SCORERS = VerifiedModels("perplexity model", describe_model)
 
 
 def load_scorer(path: str, sha256: str | None = None, device: str = "auto") -> PerplexityScorer:
     """The model at ``path``, loaded once per process and cached by (path, sha256, device). With ``sha256`` given
     (the driver's hash), a first load checks the directory still has it: a model replaced during a run is an
     error, not a silent mix of two models."""
-    with _LOCK:
-        digest = sha256 or describe_model(path)["sha256"]
-        key = (path, digest, device)
-        if key not in _SCORERS:
-            found = describe_model(path)["sha256"] if sha256 else digest
-            if found != digest:
-                raise PipelineInputError(
-                    f"{path}: perplexity model changed during the run (sha256 {found}, the run started with {digest})"
-                )
-            _SCORERS[key] = PerplexityScorer(path, device)
-        return _SCORERS[key]
+    return _SCORERS.get(path, sha256, lambda: PerplexityScorer(path, device), variant=device)
 
 
 class PerplexityFilter(Step):

@@ -24,7 +24,6 @@ import json
 import logging
 import random
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from pipeline.errors import PipelineInputError
 from pipeline.steps.base import Doc, Step, drop
 from pipeline.steps.decontaminate import _JSONL_SUFFIXES, _open_text
 from pipeline.steps.language import normalise_for_lid
+from pipeline.steps.verified_models import VerifiedModels
 
 STAGE = "classifier"
 REASON = "classifier:low_score"
@@ -71,9 +71,6 @@ def normalise(text: str, max_chars: int | None = None) -> str:
 
 # ---- the model: loaded once per worker process -------------------------------------------------------------
 
-_MODELS: dict[tuple[str, str], Any] = {}
-_LOCK = threading.Lock()
-
 
 def describe_model(path: str) -> dict:
     """What the manifest and the resume check record of the model file; a missing file is an error naming it."""
@@ -83,31 +80,25 @@ def describe_model(path: str) -> dict:
     return {"path": path, "sha256": sha256_file(file), "bytes": file.stat().st_size}
 
 
+_CLASSIFIERS = VerifiedModels("quality classifier model", describe_model)
+
+
 def load_classifier(path: str, sha256: str | None = None) -> Any:
     """The fastText model at ``path``, loaded once per process and cached by (path, sha256). With ``sha256``
     given (the driver's hash), a cache hit costs nothing and a first load checks the file still has it."""
-    digest = sha256 or describe_model(path)["sha256"]
-    key = (path, digest)
-    with _LOCK:
-        model = _MODELS.get(key)
-        if model is not None:
-            return model
-        found = describe_model(path)["sha256"] if sha256 else digest
-        if found != digest:
-            raise PipelineInputError(
-                f"{path}: quality classifier model changed during the run (sha256 {found}, "
-                f"the run started with {digest})"
-            )
-        import fasttext
+    return _CLASSIFIERS.get(path, sha256, lambda: _load_fasttext(path))
 
-        try:
-            model = fasttext.load_model(path)
-        except ValueError as err:
-            raise PipelineInputError(f"{path}: not a fastText model ({err})") from err
-        if set(model.get_labels()) != {HQ, LQ}:
-            raise PipelineInputError(f"{path}: labels {model.get_labels()}, expected {HQ} and {LQ}")
-        _MODELS[key] = model
-        return model
+
+def _load_fasttext(path: str) -> Any:
+    import fasttext
+
+    try:
+        model = fasttext.load_model(path)
+    except ValueError as err:
+        raise PipelineInputError(f"{path}: not a fastText model ({err})") from err
+    if set(model.get_labels()) != {HQ, LQ}:
+        raise PipelineInputError(f"{path}: labels {model.get_labels()}, expected {HQ} and {LQ}")
+    return model
 
 
 def hq_scores(model: Any, texts: list[str], max_chars: int | None = None) -> list[float]:
