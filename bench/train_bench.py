@@ -16,6 +16,7 @@ Without --data it runs the pipeline on data/sample with a 512-token BPE (bench/s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -145,6 +146,11 @@ def _memory_worker(rank: int, world: int, port: int, result_path: str, models: l
             del model, gpt, optimizer
     if rank == 0:
         Path(result_path).write_text(json.dumps(results))
+    # Both ranks reach here before either tears Gloo down: a rank that destroys its process group while
+    # its peer still has Gloo work in flight can abort in C++ ("terminate called without an active
+    # exception"), seen once in CI on a loaded 2-core machine.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
