@@ -35,6 +35,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the floors (pyproject.toml, [tool.importlinter])
+	$(BIN)/mypy  # the packages' types (pyproject.toml, [tool.mypy])
 	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: where the suite's time goes, in every CI log
 
 # The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
@@ -42,13 +43,16 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -x -m "not ray"
 
-# Lint only: ruff's rules and its formatter (a `# fmt: skip` keeps a rule table one row per line), and the floors.
+# Lint only: ruff's rules and its formatter (a `# fmt: skip` keeps a rule table one row per line), the floors, and
+# the type checker.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(DEMO)

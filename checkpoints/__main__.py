@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import tempfile
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 files = read_manifest(target).get("files") or {}
                 task = progress.add_task(target.rsplit("/", 1)[-1], total=sum(f["bytes"] for f in files.values()))
-                manifest = verify(target, on_bytes=lambda n, task=task: progress.advance(task, n))
+                manifest = verify(target, on_bytes=functools.partial(progress.advance, task))
             except CorruptCheckpoint as exc:
                 failed += 1
                 # Plain print: rich would wrap the line at its console width; the live display passes it through.

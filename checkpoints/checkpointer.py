@@ -295,7 +295,7 @@ def describe(directory: str | Path) -> dict[str, Any]:
     manifest_path = directory / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     metadata = FileSystemReader(str(directory)).read_metadata()
-    tensors = []
+    tensors: list[dict[str, Any]] = []
     for fqn, meta in sorted(metadata.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
             dtype = meta.properties.dtype

@@ -243,10 +243,11 @@ def _memory_plan(spec: JobSpec, n_params: float, seq_len: int, notes: list[str])
     gather = 0.0
     if m.has_shape:
         assert m.n_layer and m.n_embd and m.n_head  # has_shape
+        n_embd, n_head = m.n_embd, m.n_head  # narrowed to int, also inside layer_bytes
 
         def layer_bytes(recompute: memory.Recompute) -> float:
             return memory.activation_bytes_per_layer(
-                seq_len, t.micro_batch, m.n_embd, m.n_head, par.tp, sp, recompute, par.cp
+                seq_len, t.micro_batch, n_embd, n_head, par.tp, sp, recompute, par.cp
             )
 
         per_layer = layer_bytes(t.activation_checkpointing)

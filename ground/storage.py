@@ -135,6 +135,9 @@ class Location:
     """A file or directory on a local disk or in object storage. It pickles as its URI, so a Ray worker on
     another node rebuilds the filesystem from its own environment (credentials, endpoint)."""
 
+    uri: str  # "s3://bucket/key" or an absolute local path
+    path: str  # the filesystem's own path: "bucket/key", or the local path
+
     def __init__(self, where: str | os.PathLike | Location) -> None:
         text = where.uri if isinstance(where, Location) else os.fspath(where)
         if check_scheme(text) in STORAGE_SCHEMES:

@@ -27,8 +27,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 from rich.console import Console
@@ -64,7 +65,7 @@ PASS_STEPS = {
 class OnRay:
     """Call the dedup index shards as Ray actors; results stay references, so data goes shard to shard."""
 
-    def each(self, shards: list, method: str, args: list[tuple], num_returns: int = 1) -> list:
+    def each(self, shards: Sequence, method: str, args: Sequence[tuple], num_returns: int = 1) -> list:
         return [
             getattr(s, method).options(num_returns=num_returns).remote(*a) for s, a in zip(shards, args, strict=True)
         ]
@@ -210,12 +211,14 @@ class PipelineRun:
         summary goes to the run's metrics as it arrives; ``on_file`` is called after each. ``actors``: ``fn`` is a
         class, run in an actor pool with these options of ``Dataset.map`` (its constructor's arguments, the pool
         size, the resources of each actor)."""
-        finished = staging.finished() if staging is not None else set()
-        summaries = {
-            it["index"]: staging.read_marker(f"{name}-{it['index']:05d}")
-            for it in items
-            if f"{name}-{it['index']:05d}" in finished
-        }
+        summaries = {}
+        if staging is not None:
+            finished = staging.finished()
+            summaries = {
+                it["index"]: staging.read_marker(f"{name}-{it['index']:05d}")
+                for it in items
+                if f"{name}-{it['index']:05d}" in finished
+            }
         todo = [it for it in items if it["index"] not in summaries]
         total_bytes = sum(it["size"] for it in items) if count_bytes else 0
         done_bytes = sum(s.get("bytes", 0) for s in summaries.values()) if count_bytes else 0
@@ -275,7 +278,7 @@ class PipelineRun:
         # A sliver of a CPU keeps the shards off a head with no CPUs (ray_cluster.yaml): the index's memory belongs
         # on the workers, not on the node that holds the control plane and the job drivers.
         index = ray.remote(BucketIndex).options(num_cpus=0.01, scheduling_strategy="SPREAD")
-        shards = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
+        shards: list[Any] = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
         sizes = IndexSizes(shards, self.metrics)
         try:
             # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
@@ -395,6 +398,7 @@ class PipelineRun:
         """The filter pass's actor pool when the perplexity stage is on: one actor per GPU of the cluster, each
         holding one (or, without GPUs, one per CPU), unless ``perplexity.actors`` says how many."""
         cfg = self.config.perplexity
+        assert self.perplexity_model is not None  # hashed by gather_inputs whenever the stage is on
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0)) if cfg.device != "cpu" else 0
         if cfg.device == "cuda" and not gpus:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,7 +99,7 @@ def reports_input_errors(fn: Callable[..., dict]) -> Callable[..., dict]:
     return run
 
 
-def _timed(it: Iterator[Doc], seconds: Counter, key: str) -> Iterator[Doc]:
+def _timed(it: Iterator[Doc], seconds: defaultdict[str, float], key: str) -> Iterator[Doc]:
     """Charge the time spent producing each item of ``it`` to ``seconds[key]``."""
     while True:
         started = time.perf_counter()
@@ -137,7 +137,7 @@ def _add_keys(block: list[Doc], keys: DedupKeys, config: PipelineConfig) -> None
             doc["shingles"] = sketch
 
 
-def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: Counter) -> Iterator[Doc]:
+def _records(uri: str, config: PipelineConfig, stats: ReadStats, seconds: defaultdict[str, float]) -> Iterator[Doc]:
     """Every record of one input as a row. A file that cannot be read at all (missing, HTTP 404, retries
     exhausted) or is not WARC is an error naming it, or one ``corrupt_file`` row under ``on_corrupt_file: drop``
     (damage after the first record is handled record by record in ``read_records``)."""
@@ -168,7 +168,7 @@ def filter_file(
     ``classifier_sha256`` and ``perplexity_sha256`` are the driver's hashes of the models (strings: they travel as
     they are)."""
     index, uri = item["index"], item["uri"]
-    seconds: Counter = Counter()
+    seconds: defaultdict[str, float] = defaultdict(float)  # worker seconds by step
     drops: Counter = Counter()
     counts: Counter = Counter()
     records = 0
@@ -318,7 +318,7 @@ def tokenize_file(
     """Pass 3 for one input file: dedup decisions, perplexity buckets (from the run's ``perplexity_cutoffs``),
     tokens, ``rejected/`` parts and token pieces."""
     index, uri = item["index"], item["uri"]
-    seconds: Counter = Counter()
+    seconds: defaultdict[str, float] = defaultdict(float)  # worker seconds by step
     drops: Counter = Counter()
     started = time.perf_counter()
     mark = MarkDuplicates(load_decisions(paths, uri))

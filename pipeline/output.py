@@ -9,9 +9,11 @@ files are.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -30,8 +32,8 @@ COPY_CHUNK = 1 << 22
 class _OpenPiece:
     name: str
     files: ExitStack  # the two outputs: whole at their final names when it closes without an error
-    bin_file: object
-    sha: object
+    bin_file: BinaryIO
+    sha: hashlib._Hash
     docs_writer: pq.ParquetWriter
     tokens: int = 0
     docs: int = 0
@@ -149,7 +151,7 @@ def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: s
     with (root / "tokens" / f"{name}.bin").open_output() as out:
         for piece in pieces:
             with (pieces_dir / f"{piece['name']}.bin").open_input() as src:
-                for chunk in iter(lambda src=src: src.read(COPY_CHUNK), b""):
+                for chunk in iter(functools.partial(src.read, COPY_CHUNK), b""):
                     sha.update(chunk)
                     out.write(chunk)
     with (root / "documents" / f"{name}.parquet").open_output() as out:

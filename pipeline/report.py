@@ -4,9 +4,10 @@ throughput."""
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -117,7 +118,7 @@ class StageAccounting:
     drops: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
     # What a stage found besides drops (see count_annotations).
     counts: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
-    seconds: Counter = field(default_factory=Counter)
+    seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add_summary(self, summary: dict) -> None:
         """A filter summary (``records``, drops and counts of the stages before dedup) or a tokenize summary
@@ -261,7 +262,7 @@ def _counts_text(stage: dict) -> str:
 def print_summary(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title="pipeline report", show_lines=False)
-    for col, justify in [
+    columns: list[tuple[str, Literal["left", "right"]]] = [
         ("stage", "left"),
         ("in", "right"),
         ("out", "right"),
@@ -269,7 +270,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
         ("rate", "right"),
         ("s", "right"),
         ("top reasons", "left"),
-    ]:
+    ]
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for s in report["stages"]:
         top = "; ".join(

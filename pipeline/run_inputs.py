@@ -58,6 +58,10 @@ def gather_inputs(
         blocklist=load_blocklist(url.blocklist) if url.enabled and url.blocklist else None,
         contamination=build_index(config.decontamination),
         # Hashed once here; the workers load the model by path and check this hash on their one load.
-        classifier=describe_model(config.classifier.model) if config.classifier.active else None,
-        perplexity_model=describe_lm(config.perplexity.model) if config.perplexity.active else None,
+        classifier=describe_model(config.classifier.model)
+        if config.classifier.active and config.classifier.model
+        else None,
+        perplexity_model=describe_lm(config.perplexity.model)
+        if config.perplexity.active and config.perplexity.model
+        else None,
     )

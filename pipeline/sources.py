@@ -247,6 +247,7 @@ def list_inputs(
             size = _with_retries(input, lambda: _http_filesystem(retry).info(input).get("size"), retry)
             return [InputFile(input, size)]
         return _list_local(input)
+    assert input_list is not None  # exactly one of the two was checked above
     return _list_listing(input_list, base_url, retry)
 
 
@@ -367,7 +368,7 @@ class _LocalHandle:
     def __init__(self, path: str, offset: int) -> None:
         self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         self._fh.seek(offset)
-        self.size = None
+        self.size: int | None = None
 
     def read(self, n: int) -> bytes:
         return self._fh.read(n)
@@ -442,9 +443,11 @@ class _HTTPHandle:
                 raise
 
     def _skip(self, offset: int) -> None:
+        fh = self._fh
+        assert fh is not None  # called from __init__, right after the open
         to_skip = offset
         while to_skip:
-            chunk = self._fh.read(min(to_skip, 1 << 20))
+            chunk = fh.read(min(to_skip, 1 << 20))
             if not chunk:
                 raise _ShortRead(f"body ended at byte {offset - to_skip} while skipping to {offset}")
             to_skip -= len(chunk)

@@ -17,8 +17,9 @@ large request cannot hold up the others sharing the replica's event loop.
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -110,14 +111,22 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
 
+# Each handler takes the exception class it is registered for (Any: Starlette types every handler as taking any
+# Exception).
+ERROR_HANDLERS: dict[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]] = {
+    APIError: _api_error,
+    StarletteHTTPException: _http_error,
+    OpenAIHTTPException: _engine_error,
+    VLLMClientError: _engine_client_error,
+    RequestValidationError: _route_validation_error,
+    Exception: _internal_error,
+}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render every error ``app`` raises, whatever raised it, as OpenAI's error body."""
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(OpenAIHTTPException, _engine_error)
-    app.add_exception_handler(VLLMClientError, _engine_client_error)
-    app.add_exception_handler(RequestValidationError, _route_validation_error)
-    app.add_exception_handler(Exception, _internal_error)
+    for exc_class, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
 
 
 @dataclass
@@ -152,7 +161,7 @@ class RequestAccounting:
         if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
-        server = serve.get_replica_context().servable_object
+        server = cast(Any, serve.get_replica_context().servable_object)  # this replica's RayLMIngress (serve/app.py)
         cap = server.args.max_request_bytes
         replica = server.replica.encode()
         outcome = scope[OUTCOME_KEY] = Outcome()
@@ -183,7 +192,8 @@ class RequestAccounting:
             """A body without Content-Length (chunked), read here up to the cap: the bytes, or None past the cap.
             Read before the route runs because FastAPI turns any error raised while it reads a body into its own
             400 ("error parsing the body"), which would hide the 413."""
-            parts, size = [], 0
+            parts: list[bytes] = []
+            size = 0
             while True:
                 message = await receive()
                 if message["type"] != "http.request":

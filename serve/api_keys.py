@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from pathlib import Path
+from typing import Any, cast
 
 from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -69,7 +70,8 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        digests: tuple[str, ...] = serve.get_replica_context().servable_object.api_key_digests
+        ingress = cast(Any, serve.get_replica_context().servable_object)  # this replica's RayLMIngress (serve/app.py)
+        digests: tuple[str, ...] = ingress.api_key_digests
         if digests:
             token = _bearer(scope)
             presented = key_digest(token) if token else ""

@@ -35,7 +35,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -83,11 +83,12 @@ class ModelDirOnTheNode(CallbackBase):
 class ExportServer(LLMServer):
     """Ray Serve LLM's vLLM server, on the directory this node makes from the export (``model_source``)."""
 
-    async def __init__(self, llm_config: LLMConfig, **kwargs: Any) -> None:
-        source = llm_config.model_loading_config.model_source
+    async def __init__(self, llm_config: LLMConfig, **kwargs: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+        # LLMConfig's validator has made the loading config a model, and llm_config() gave it the export's URI.
+        source = cast(str, cast(Any, llm_config.model_loading_config).model_source)
         local = await asyncio.to_thread(hf_model_dir, source)
         config = llm_config.model_copy(deep=True)
-        config.model_loading_config.model_source = str(local)
+        cast(Any, config.model_loading_config).model_source = str(local)
         config._engine_config = None  # derived from the model source and cached by LLMConfig: derive it anew
         log.info("vLLM loads %s (export %s)", local, source)
         await super().__init__(config, **kwargs)
@@ -148,10 +149,12 @@ class RayLMIngress(OpenAiIngress):
             return JSONResponse({"status": "unavailable", "reason": reason, **body}, status_code=503)
         return JSONResponse({"status": "ok", **body})
 
-    async def models(self) -> JSONResponse:
+    # The routes below override OpenAiIngress's with other types on purpose: the model list and card are the
+    # export's own (its lineage), answered as JSON; the requests are the public openai_api_models' classes.
+    async def models(self) -> JSONResponse:  # type: ignore[override]
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    async def model_data(self, model: str) -> JSONResponse:
+    async def model_data(self, model: str) -> JSONResponse:  # type: ignore[override]
         self._check_model(model)
         return JSONResponse(self._model_card())
 
@@ -162,7 +165,7 @@ class RayLMIngress(OpenAiIngress):
 
     # ---- the engine's routes, behind the caps ------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:  # type: ignore[override]
         arrival = time.monotonic()
         self._check_model(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
@@ -174,7 +177,7 @@ class RayLMIngress(OpenAiIngress):
             trace.record_prompt("\n".join(p for p in prompts if isinstance(p, str)))
         return await self._engine_call(functools.partial(super().completions, body), request, arrival)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:  # type: ignore[override]
         arrival = time.monotonic()
         self._check_model(body.model)
         self._check_choices(1, body.n or 1)
@@ -224,12 +227,13 @@ class RayLMIngress(OpenAiIngress):
         if isinstance(response, StreamingResponse):
             if trace:
                 trace.first_output()  # the ingress returns a stream once its first chunk is in
-            response.body_iterator = self._watch_stream(response.body_iterator, outcome, arrival, trace)
+            chunks = cast(AsyncIterator[str], response.body_iterator)  # Ray Serve LLM streams SSE messages as str
+            response.body_iterator = self._watch_stream(chunks, outcome, arrival, trace)
             return response
         self.drain.finish()
         if trace:
             trace.engine_done()
-            trace.record_body(response.body)
+            trace.record_body(bytes(response.body))
         if response.status_code == 200:
             outcome.finish_reason = "length" if b'"finish_reason":"length"' in response.body else "stop"
             self.metrics.observe_duration(time.monotonic() - arrival)
@@ -457,7 +461,7 @@ def compose_app(args: dict[str, Any], engine_cls: type[ExportServer], ingress_cl
     if opts.canary_evalset:
         from serve.canary import CanaryDeployment
 
-        canary = CanaryDeployment.bind(
+        canary = CanaryDeployment.bind(  # type: ignore[attr-defined]  # @serve.deployment made it a Deployment
             endpoint=opts.canary_endpoint or "http://127.0.0.1:8000",
             evalset=opts.canary_evalset,
             interval=opts.canary_interval,
@@ -472,7 +476,7 @@ def compose_app(args: dict[str, Any], engine_cls: type[ExportServer], ingress_cl
     options = OpenAiIngress.get_deployment_options([config])
     options["ray_actor_options"] = {"num_cpus": opts.ingress_cpus}
     options["max_surge_percent"] = opts.max_surge_percent
-    return ingress.options(**options).bind(
+    return ingress.options(**options).bind(  # type: ignore[attr-defined]  # serve.deployment's stub: a decorator
         llm_deployments={export.name: engine},
         model_cards={export.name: export.name},  # OpenAiIngress looks only at the keys; the cards are ours
         args=opts,

@@ -106,7 +106,14 @@ def score_text(session: requests.Session, endpoint: str, model: str, text: str, 
     The server puts the document-start token before a text prompt (the export's tokenizer does); the engine has no
     log-probability for the first position, so the text's own tokens, every one conditioned on what precedes it,
     are what is summed. ``max_tokens`` 1: the one generated token is not part of the text and is left out."""
-    body = {"model": model, "prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0.0}
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": text,
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": 0,
+        "temperature": 0.0,
+    }
     resp = session.post(f"{endpoint}/v1/completions", json=body, timeout=timeout)
     try:
         data = resp.json()

@@ -87,7 +87,7 @@ class DrainControl:
 def get_control(app: str) -> Any:
     """The app's ``DrainControl`` handle, made if no one has yet. Detached: it belongs to the app, not to whichever
     process asked first (a replica may start before the driver asks); :func:`drain`'s caller removes it."""
-    return DrainControl.options(
+    return DrainControl.options(  # type: ignore[attr-defined]  # @ray.remote made it an actor class
         name=control_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote()
 

@@ -166,8 +166,9 @@ def hf_model_dir(path: str | Path, cache: Path | None = None) -> Path:
             return out
         model = load_exported(root)
         eot = Tokenizer.from_file(str(root / "tokenizer.json")).token_to_id(EOT)
-        n = min(PROBE_TOKENS, model.config.block_size)
-        probe = (torch.arange(n, dtype=torch.long) * 7919 % model.config.vocab_size).unsqueeze(0)
+        n, vocab = min(PROBE_TOKENS, model.config.block_size), model.config.vocab_size
+        assert vocab is not None  # an export's config holds its tokenizer's vocabulary size
+        probe = (torch.arange(n, dtype=torch.long) * 7919 % vocab).unsqueeze(0)
         probe[0, 0] = eot if eot is not None else 0
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{out.name}-", dir=out.parent))

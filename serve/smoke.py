@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import requests
 
@@ -33,13 +35,21 @@ def wait_healthy(base_url: str, timeout: float = 600.0) -> None:
 
 def stream_completion(base_url: str, prompt: str, max_tokens: int, seed: int = 0, api_key: str | None = None) -> str:
     """POST a streaming completion and print each server-sent text chunk as it arrives."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed, "stream": True}
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": seed,
+        "stream": True,
+    }
     text = []
     print(f"\n--- streamed completion for {prompt!r} ---\n{prompt}", end="", flush=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with requests.post(f"{base_url}/v1/completions", json=body, headers=headers, stream=True, timeout=120) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines(decode_unicode=True):
+        # str lines: the event stream's content type names its charset, which decode_unicode uses.
+        for line in cast(Iterator[str], resp.iter_lines(decode_unicode=True)):
             if not line or not line.startswith("data: "):
                 continue
             data = line.removeprefix("data: ")

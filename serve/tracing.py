@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -93,11 +93,12 @@ class RequestTrace:
             "gen_ai.operation.name": "chat" if scope["path"].endswith("/chat/completions") else "text_completion",
             "gen_ai.request.model": tracer.model,
         }
+        started = time.time_ns()  # the root and the ingress span start together
         self.root = self.tracer.start_span(
             f"{scope['method']} {scope['path']}", context=W3C.extract(carrier), kind=SpanKind.SERVER,
-            attributes=attributes,
+            attributes=attributes, start_time=started,
         )  # fmt: skip
-        self.ingress: Span | None = self._child("raylm.ingress", start_time=self.root.start_time)
+        self.ingress: Span | None = self._child("raylm.ingress", start_time=started)
         self.engine: Span | None = None
         self.response: Span | None = None
         self.status: int | None = None
@@ -216,7 +217,7 @@ class RequestTracing:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer: RequestTracer | None = None
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["path"] not in UNTRACED_PATHS:
-            tracer = serve.get_replica_context().servable_object.tracer
+            tracer = cast(Any, serve.get_replica_context().servable_object).tracer  # RayLMIngress (serve/app.py)
         if tracer is None:
             await self.app(scope, receive, send)
             return
@@ -248,13 +249,15 @@ class EnginePhaseSpans(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         if span.name != VLLM_REQUEST_SPAN or span.end_time is None or span.attributes is None:
             return
-        seconds = [span.attributes.get(attribute) for _, attribute in VLLM_PHASES]
-        if any(not isinstance(s, int | float) for s in seconds):
+        values = [span.attributes.get(attribute) for _, attribute in VLLM_PHASES]
+        seconds = [float(v) for v in values if isinstance(v, int | float)]
+        context = span.get_span_context()
+        if len(seconds) != len(values) or context is None:
             return
-        parent = set_span_in_context(NonRecordingSpan(span.get_span_context()))
+        parent = set_span_in_context(NonRecordingSpan(context))
         end = span.end_time
         for (name, _), length in reversed(list(zip(VLLM_PHASES, seconds, strict=True))):
-            start = max(span.start_time or 0, end - int(max(float(length), 0.0) * 1e9))
+            start = max(span.start_time or 0, end - int(max(length, 0.0) * 1e9))
             self.tracer.start_span(name, context=parent, start_time=start).end(end_time=end)
             end = start
 

@@ -46,8 +46,10 @@ def ray_scaling_config(config: TrainConfig) -> ScalingConfig:
     resources = {"CPU": p.cpus_per_worker} | ({"GPU": 1} if p.use_gpu else {})
     if p.min_workers is None:
         return ScalingConfig(num_workers=p.workers, use_gpu=p.use_gpu, resources_per_worker=resources)
-    return ScalingConfig(
-        num_workers=(p.min_workers, p.workers),
+    # mypy reads ray.train's Train v1 import of ScalingConfig; at run time Train v2 is on and ray.train's
+    # ScalingConfig is ray.train.v2.api.config's, which takes a range and the resize interval.
+    return ScalingConfig(  # type: ignore[call-arg]
+        num_workers=(p.min_workers, p.workers),  # type: ignore[arg-type]
         use_gpu=p.use_gpu,
         resources_per_worker=resources,
         elastic_resize_monitor_interval_s=p.elastic_resize_interval_s,

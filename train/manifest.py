@@ -99,7 +99,7 @@ def load_manifest(data_dir: str | Path) -> Manifest:
     if dtype_name not in DTYPES:
         raise DataError(f"{path}: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
     dtype = np.dtype(DTYPES[dtype_name]).newbyteorder("<")
-    if vocab_size > np.iinfo(dtype).max + 1:
+    if vocab_size > int(np.iinfo(dtype.type).max) + 1:
         raise DataError(f"{path}: vocab_size {vocab_size} does not fit in dtype {dtype_name}")
     if root.is_remote:
         # The node cache is content-addressed and checks every download: it needs each file's hash.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -111,7 +112,8 @@ def scale_grads(parameters: list[nn.Parameter], factor: float) -> None:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU state dict (a collective: every rank must call it; rank 0 gets the tensors).
     Keys are the plain model's names for single, DDP and FSDP alike."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # a model's state: tensors only (the stub allows any value)
 
 
 def holds_replica(model: nn.Module) -> bool:

@@ -151,24 +151,26 @@ class ShardVerifier:
             return
         key = _key(shard)
         with self._lock:
-            future = self._futures.get(key)
+            queued = self._futures.get(key)
             # cancel() succeeds on work still queued (or cancelled by close()): take it over.
-            inline = future is None or future.cancel()
-            if inline:
-                if future is None:  # not one of the shards given at construction
+            if queued is not None and not queued.cancel():
+                running: Future[None] | None = queued
+            else:
+                running = None
+                if queued is None:  # not one of the shards given at construction
                     self._remaining += 1
-                future = Future()
-                future.set_running_or_notify_cancel()
-                self._futures[key] = future
-        if not inline:
-            future.result()
+                mine: Future[None] = Future()
+                mine.set_running_or_notify_cancel()
+                self._futures[key] = mine
+        if running is not None:
+            running.result()
             return
         try:
             self._check(shard)
         except BaseException as exc:
-            future.set_exception(exc)
+            mine.set_exception(exc)
             raise
-        future.set_result(None)
+        mine.set_result(None)
 
     def ensure_all(self) -> None:
         """Return once every shard is verified; the first mismatch (in manifest order) raises ``DataError``."""

@@ -50,7 +50,7 @@ class WandbTracker:
     def __init__(self, config: TrainConfig, run_dir: RunDir, tags: dict[str, str]) -> None:
         import wandb
 
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode: Any = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(
             project=config.metrics.tracker_project, name=tags["raylm.run_id"], dir=str(run_dir.local), mode=mode,
             config={**config.to_dict(), "lineage": tags},

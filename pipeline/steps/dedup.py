@@ -21,6 +21,7 @@ import functools
 import hashlib
 import re
 import unicodedata
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -207,7 +208,7 @@ def keyed_batch(
     doc_keys: list[str],
     exact_keys: list[bytes],
     signatures: np.ndarray,
-    shingle_sets: list[np.ndarray | None],
+    shingle_sets: Sequence[np.ndarray | None],
 ) -> dict:
     """What the index shards need of a batch of documents, given what the config enables: exact keys, LSH band
     keys, and the sketch each candidate is verified with (shingle hashes, or the signature itself)."""

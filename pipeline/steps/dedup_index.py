@@ -123,12 +123,15 @@ class BucketIndex:
         hit = cache.get(pair)
         if hit is None:
             mh = self.config.minhash
+            sketch_a, sketch_b = self._sketches[a], self._sketches[b]
             if mh.verify == "none":
                 hit = True
+            elif sketch_a is None or sketch_b is None:
+                raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
             elif mh.verify == "jaccard":
-                hit = jaccard(self._sketches[a], self._sketches[b]) >= mh.threshold
+                hit = jaccard(sketch_a, sketch_b) >= mh.threshold
             else:
-                hit = float(np.mean(self._sketches[a] == self._sketches[b])) >= mh.threshold
+                hit = float(np.mean(sketch_a == sketch_b)) >= mh.threshold
             cache[pair] = hit
             self.stats["candidates"] += 1
             self.stats["verified"] += hit
@@ -233,7 +236,7 @@ class BucketIndex:
         rows = sorted(
             ((key.split("\x00")[1], key, stage, kept) for key, (stage, kept) in self.decisions().items()),
         )
-        columns = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
+        columns: list[Sequence[Any]] = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
         table = pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=DECISION_SCHEMA)
         with path.open_output() as out:
             pq.write_table(table, out)

@@ -61,7 +61,8 @@ def html_to_text(body: bytes, main_content: bool) -> str:
     from resiliparse.extract.html2text import extract_plain_text
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
 
-    return extract_plain_text(bytes_to_str(body, detect_encoding(body)), main_content=main_content)
+    # With WHATWG remapping (the default) detection falls back to UTF-8 rather than None.
+    return extract_plain_text(bytes_to_str(body, detect_encoding(body) or "utf-8"), main_content=main_content)
 
 
 def _response_text(record, payload: bytes, doc: Doc, main_content: bool) -> str | None:

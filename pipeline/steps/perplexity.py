@@ -27,7 +27,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -124,10 +124,11 @@ class PerplexityScorer:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as err:
             raise PipelineInputError(f"{path}: cannot load a causal LM from it (perplexity.model): {err}") from err
-        self.model.to(device).eval()
+        # Any: transformers' stubs type the model's .to() as a wrapper that takes a model, not a device.
+        self.model = cast(Any, model).to(device).eval()
         self.device = device
         self.context = int(getattr(self.model.config, "n_positions", 0) or getattr(
             self.model.config, "max_position_embeddings", 0) or 1 << 30)  # fmt: skip
@@ -219,7 +220,8 @@ def bucket_cutoffs(counts: Counter[tuple[str, int]], quantiles: tuple[float, flo
         by_language.setdefault(language, []).append((bin_, n))
     cutoffs = {}
     for language, bins in by_language.items():
-        total, seen, edges = sum(n for _, n in bins), 0, []
+        total, seen = sum(n for _, n in bins), 0
+        edges: list[float] = []
         targets = [q * total for q in quantiles]
         for bin_, n in bins:
             seen += n

@@ -36,7 +36,7 @@ import bisect
 import ipaddress
 import re
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,7 +57,7 @@ class PiiConfig(BaseModel):
     # On by default: masking keeps every document and its text around the placeholder, and personal data and
     # credentials are what a model must not memorise (FineWeb masks emails and IPs; Dolma emails, phones, IPs).
     enabled: bool = True
-    types: list[PiiType] = Field(default_factory=lambda: ["email", "ip_address", "phone", "secret"])
+    types: list[PiiType] = Field(default_factory=lambda: list(get_args(PiiType)))
     # Regions (ISO 3166 alpha-2) whose national number formats are recognised; numbers written with a +country
     # code are found whatever the region. US matches the default language filter (English).
     phone_regions: list[str] = Field(default_factory=lambda: ["US"])
@@ -203,7 +203,7 @@ def find_pii(text: str, config: PiiConfig) -> list[tuple[int, int, str]]:
 def mask_pii(text: str, config: PiiConfig) -> tuple[str, dict[str, int]]:
     """``text`` with every span replaced by its placeholder, and the number of placeholders per type."""
     spans = find_pii(text, config)
-    counts = dict.fromkeys(config.types, 0)
+    counts: dict[str, int] = dict.fromkeys(config.types, 0)
     if not spans:
         return text, counts
     parts: list[str] = []
