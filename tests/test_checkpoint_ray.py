@@ -280,3 +280,24 @@ def test_a_diverged_run_stops_once_and_is_not_restarted(ray_cluster: str, token_
     stopped = json.loads((run / "stopped.json").read_text())
     assert stopped["error"] == "TrainingDiverged" and stopped["step"] == 4
     assert not (run / "final").exists()
+
+
+def test_a_collective_a_hung_peer_never_joins_fails_after_the_collective_timeout(
+    ray_cluster: str, token_dir: Path, tmp_path: Path
+) -> None:
+    """The watchdog off (``guard.hang_timeout_s: 0``), so only ``parallel.collective_timeout_s`` can end the wait:
+    rank 1 stops after step 5; rank 0 goes on into step 6's gradient all-reduce, which rank 1 never joins, and Gloo
+    fails it after the timeout. The run fails (no retries) rather than waiting out the 1800 s default."""
+    run = tmp_path / "collective_timeout"
+    config = config_for(
+        token_dir,
+        run,
+        "ddp",
+        2,
+        **{"parallel.collective_timeout_s": 10, "guard.hang_timeout_s": 0, "checkpoint.max_failures": 0},
+    )
+    with pytest.raises(WorkerGroupError) as failed:
+        launch(config, on_step_end=Callbacks((LogSteps(), HangOnce(step=5, rank=1))))
+    assert fault_marker(run, 5).is_file()  # rank 1 really hung
+    assert steps_log(run) == [0, 1, 2, 3, 4, 5]  # no step past the hang finished on any rank
+    assert "timed out" in str(failed.value).lower(), failed.value
