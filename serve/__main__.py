@@ -244,13 +244,13 @@ def serve_until_stopped(args: argparse.Namespace, built: dict[str, Any], api_key
     from ray import serve
 
     from serve.app import build_app
-    from serve.proxy_guard import controller_env
+    from serve.controller_env import controller_env
 
     serve.start(
         proxy_location=args.proxy_location,
         http_options={"host": args.host, "port": args.port},
-        # The proxies inherit the controller's environment: this installs serve/proxy_guard.py in each, which answers
-        # (and counts) a request whose replica was lost mid-request, rather than a bare 500 or a cut stream.
+        # The proxies inherit the controller's environment: serve/proxy_guard.py in each, which answers (and counts)
+        # a request whose replica was lost mid-request, and start-up timeouts a busy node meets (controller_env.py).
         controller_options={"runtime_env": {"env_vars": controller_env()}},
     )
     serve.run(build_app(built), name=APP_NAME, route_prefix="/")

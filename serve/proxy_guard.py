@@ -52,11 +52,6 @@ def proxy_middlewares() -> list[Middleware]:
     return [Middleware(ReplicaLossGuard)]
 
 
-def controller_env() -> dict[str, str]:
-    """The Serve controller's ``env_vars`` that install the guard in every proxy it starts."""
-    return {CALLBACK_ENV: CALLBACK}
-
-
 def error_body(message: str) -> dict[str, Any]:
     """OpenAI's error body, the shape of ``serve.accounting.APIError.body()`` (not imported: the proxy would load
     FastAPI's app, vLLM's exceptions and the rest of the ingress's imports)."""

@@ -449,7 +449,7 @@ def start_serving(cluster: MultiNodeCluster, model_uri: str, work: Path, max_bat
     node (the config's ``deployments:`` override of its ``ray_actor_options``, test setup: raylm itself leaves the
     ingress where Serve puts it); the one HTTP proxy on the head (``proxy_location: HeadOnly``), which is never lost,
     as clients reach a cluster through its head, with serve/proxy_guard.py installed (``controller_options``)."""
-    from serve.proxy_guard import controller_env
+    from serve.controller_env import controller_env
 
     cluster.ensure_workers(2)
     if not cluster.nodes_with(INGRESS_RESOURCE):

@@ -186,11 +186,15 @@ def running_app(
     from ray import serve
 
     from serve.app import build_app
+    from serve.controller_env import controller_env
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = port or free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(  # as python -m serve starts it
+            http_options={"host": "127.0.0.1", "port": port},
+            controller_options={"runtime_env": {"env_vars": controller_env()}},
+        )
         serve.run((build or build_app)(fast_start(app_args)), name=app_name, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

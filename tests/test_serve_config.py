@@ -16,6 +16,7 @@ from ground.overrides import ConfigError
 from serve import config as serve_defaults
 from serve.__main__ import app_args, parse_args
 from serve.config import AppArgs
+from serve.controller_env import controller_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,9 @@ def test_serve_config_validates_against_ray_serve_schema() -> None:
     # autoscaling block, which must be the same.
     assert not {"max_batch_size", "max_ongoing_requests", "metrics_sd_dir", "canary_interval"} & set(app.args)
     assert args.autoscaling_config == serve_defaults.DEFAULT_AUTOSCALING
+    # serve deploy starts the controller with what python -m serve gives it: the proxy guard and the busy-node timeouts.
+    assert config.controller_options is not None
+    assert config.controller_options.runtime_env["env_vars"] == controller_env()
 
 
 def test_cli_args_become_valid_app_args(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from ground.dist import free_port
 from ground.storage import Location
 from serve.__main__ import main as serve_main
 from serve.app import build_app
+from serve.controller_env import controller_env
 from serve.model_dir import ModelDirError, local_export
 from train.__main__ import main as train_main
 from train.config import load_config
@@ -311,7 +312,10 @@ def test_serving_from_the_bucket_serves_the_local_runs_bytes(exports: dict, clus
     for byte the export of the same run on local paths (so it serves what serving that export serves: one vLLM start,
     not two; only lineage.json differs, naming the run dir), and it answers greedy and seeded completions."""
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(  # as python -m serve starts it
+        http_options={"host": "127.0.0.1", "port": port},
+        controller_options={"runtime_env": {"env_vars": controller_env()}},
+    )
     try:
         args = {"model": str(exports["bucket"]), "num_replicas": 1, "metrics_sd_dir": str(tmp_path / "sd")}
         serve.run(build_app(fast_start(args)), name="bucket", route_prefix="/bucket")
