@@ -147,6 +147,8 @@ class Checkpointer:
             self._finalize(block=True)  # one save in flight at a time
         name = checkpoint_dir_name(step, rollbacks)
         staging = self.store.staging_dir(name, self.rank)
+        if self.store.shared_dir:
+            self.ctx.barrier()  # rank 0 has made the directory every rank writes into
         manifest = {
             "format_version": FORMAT_VERSION,
             "name": name,

@@ -42,17 +42,22 @@ class LocalCandidate:
 
 
 class LocalStore:
+    # Every rank writes into the same directory: rank 0 prepares it, and the checkpointer holds the other ranks at a
+    # barrier until it has (two ranks clearing and creating it at once fail with FileExistsError).
+    shared_dir = True
+
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
 
     def staging_dir(self, name: str, rank: int) -> Path:
         path = self.run_dir / name
-        if path.exists():
-            # Re-saving a step (after a restart): drop the old manifest first, so the directory is
-            # never a valid-looking mix of old and new files.
-            (path / MANIFEST_FILE).unlink(missing_ok=True)
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        if rank == 0:
+            if path.exists():
+                # Re-saving a step (after a restart): drop the old manifest first, so the directory is
+                # never a valid-looking mix of old and new files.
+                (path / MANIFEST_FILE).unlink(missing_ok=True)
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
         return path
 
     def commit(self, name: str, staging: Path, metrics: dict[str, Any], background: bool) -> None:
@@ -79,6 +84,8 @@ def _as_path(manager: contextlib.AbstractContextManager[str]) -> Iterator[Path]:
 
 
 class RayStore:
+    shared_dir = False  # each rank stages its own files; Ray Train gathers them
+
     def __init__(self, async_upload: bool) -> None:
         import ray.train
 

@@ -43,6 +43,11 @@ class DistContext:
             dist.all_reduce(tensor, op=op)
         return tensor
 
+    def barrier(self) -> None:
+        """Every rank waits here until all have arrived."""
+        if self.distributed:
+            dist.barrier()
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), indexed by rank, on every rank."""
         if not self.distributed:

@@ -16,6 +16,7 @@ from train_fixtures import tiny_overrides
 
 from checkpoints.manifest import list_checkpoints, verify
 from train.config import TrainConfig, load_config
+from train.optim import learning_rate
 from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import StepInfo, Trainer
@@ -124,6 +125,64 @@ def test_a_bad_step_on_one_rank_is_skipped_by_every_rank_at_the_same_step(
     assert "non-finite loss" in results[1]["bad_steps"][0]["reasons"]
     if strategy == "ddp":
         assert results[0]["digests"] == results[1]["digests"]
+
+
+def _rollback_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: FlushedQueue) -> None:
+    with cpu_rank(rank, world, port) as ctx:
+        overrides = {
+            "parallel.strategy": strategy,
+            "parallel.workers": 2,
+            "steps": 8,
+            "checkpoint.enabled": True,
+            "checkpoint.interval_steps": 2,
+            "checkpoint.rollback_after_bad": 1,
+            "checkpoint.rollback_lr_factor": 0.25,
+            "checkpoint.rollback_lr_steps": 2,
+        }
+        trained: list[tuple[int, float]] = []  # (step, lr) of every step this rank trained and kept
+
+        def record(info: StepInfo) -> None:
+            if not info.record.get("skipped"):
+                trained.append((info.step, info.record["lr"]))
+
+        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx, on_step_end=record)
+        if rank == 1:  # only this rank's forward blows up, on the batch of data step 5
+            trainer.gpt.blocks[0].register_forward_hook(
+                lambda module, args, output: output * float("nan") if trainer.train_batches.step - 1 == 5 else output
+            )
+        trainer.train()
+        queue.put(
+            {
+                "rank": rank,
+                "rollbacks": trainer.rollbacks,
+                "trained": trained,
+                "steps": (trainer.step, trainer.train_batches.step),
+                "digest": trainer.check_replicas()[rank] if strategy == "ddp" else None,
+            }
+        )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rollback_after_one_ranks_bad_step_lowers_the_lr_on_every_rank_alike(
+    token_dir: Path, tmp_path: Path, strategy: str
+) -> None:
+    """Two gloo ranks, a checkpoint every 2 steps; only rank 1's loss goes non-finite, at step 5. Both ranks roll back
+    to the step-4 checkpoint together, skip the bad data window, train steps 4 and 5 again at a quarter of the
+    schedule's LR, then follow the schedule; DDP replicas end identical."""
+    results = run_two_gloo_ranks(_rollback_worker, str(token_dir), str(tmp_path / "run"), strategy)
+    config = make_config(token_dir, tmp_path / "schedule", steps=8)
+    schedule = {step: learning_rate(step, 8, config.optimizer) for step in range(8)}
+    for r in results:
+        [rollback] = r["rollbacks"]
+        assert (rollback["bad_step"], rollback["restored_step"], rollback["lr_factor_until_step"]) == (5, 4, 6), r
+        assert r["steps"] == (8, 10)  # 8 steps trained; two data steps skipped
+        steps = [step for step, _ in r["trained"]]
+        assert steps == [0, 1, 2, 3, 4, 4, 5, 6, 7], r  # step 4 before the bad step 5, then again after the rollback
+        again = dict(r["trained"][5:])
+        assert again == {4: 0.25 * schedule[4], 5: 0.25 * schedule[5], 6: schedule[6], 7: schedule[7]}, r
+    assert results[0]["trained"] == results[1]["trained"] and results[0]["rollbacks"] == results[1]["rollbacks"]
+    if strategy == "ddp":
+        assert results[0]["digest"] == results[1]["digest"]
 
 
 def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(token_dir: Path, tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ and Common Crawl paths listings (``wet.paths.gz``), read through one retrying, h
 Filesystem layers: local files with :func:`open`; HTTP with fsspec's ``HTTPFileSystem`` (aiohttp); ``s3://`` and
 ``gs://`` with pyarrow's S3 and GCS filesystems from ``ground.storage`` (the one storage layer of the stack; the
 endpoint, credentials and region come from the environment as it says), here with the SDK's own retries off so
-that this package's retry loop (``retries.py``) sees, counts and bounds every failure. Checked with pyarrow 26 (tests/test_sources.py).
+that this package's retry loop (``retries.py``) sees, counts and bounds every failure. Checked with pyarrow 26
+(tests/test_sources.py).
 """
 
 from pipeline.sources.listing import InputFile, list_inputs
