@@ -1,4 +1,4 @@
-"""HTTP error plumbing and per-response accounting for the serving app (``serve/app.py``).
+"""HTTP error plumbing and per-response accounting for the serving app's ingress (``serve/ingress.py``).
 
 Errors become OpenAI's body (``{"error": {"message", "type", "param", "code"}}``) in one place, the exception
 handlers here, which ``install_error_handlers`` puts on the FastAPI app: ``APIError`` from the routes, the
@@ -161,7 +161,7 @@ class RequestAccounting:
         if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
-        server = cast(Any, serve.get_replica_context().servable_object)  # this replica's RayLMIngress (serve/app.py)
+        server = cast(Any, serve.get_replica_context().servable_object)  # RayLMIngress (serve/ingress.py)
         cap = server.args.max_request_bytes
         replica = server.replica.encode()
         outcome = scope[OUTCOME_KEY] = Outcome()

@@ -70,7 +70,7 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        ingress = cast(Any, serve.get_replica_context().servable_object)  # this replica's RayLMIngress (serve/app.py)
+        ingress = cast(Any, serve.get_replica_context().servable_object)  # RayLMIngress (serve/ingress.py)
         digests: tuple[str, ...] = ingress.api_key_digests
         if digests:
             token = _bearer(scope)

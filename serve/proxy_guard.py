@@ -120,7 +120,7 @@ class ReplicaLossGuard:
             await send({"type": "http.response.start", "status": STATUS, "headers": headers})
             await send({"type": "http.response.body", "body": body})
         elif stream:
-            # The stream's last events, as the app ends a stream whose generation failed (serve/app.py: _sse).
+            # The last events, as the ingress ends a stream whose generation failed (ingress.py: _watch_stream).
             events = f"data: {json.dumps(error_body(message), separators=(',', ':'))}\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": events.encode()})
         # Otherwise a plain body was cut after its first part (the app sends one part, so this is not expected): it

@@ -217,7 +217,7 @@ class RequestTracing:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tracer: RequestTracer | None = None
         if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["path"] not in UNTRACED_PATHS:
-            tracer = cast(Any, serve.get_replica_context().servable_object).tracer  # RayLMIngress (serve/app.py)
+            tracer = cast(Any, serve.get_replica_context().servable_object).tracer  # RayLMIngress (serve/ingress.py)
         if tracer is None:
             await self.app(scope, receive, send)
             return

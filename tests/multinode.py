@@ -412,7 +412,7 @@ def index_shard_node(cluster: MultiNodeCluster) -> str | None:
 # ---- serving on the cluster (tests/test_serve_node_loss.py, bench/recovery_serve_bench.py) -----------------------
 
 SERVE_APP = "raylm"
-INGRESS = "RayLMIngress"  # serve/app.py's ingress deployment; the engine's is "ExportServer:<model name>"
+INGRESS = "RayLMIngress"  # serve/ingress.py's deployment; the engine's is "ExportServer:<model name>"
 # The custom resource of the nodes the ingress is pinned to (by the test's Serve config, not by raylm): a node that
 # holds no engine replica, so losing an engine's node leaves the ingress up, and losing the ingress's node is a case
 # of its own.

@@ -29,7 +29,9 @@ import torch
 from serve_fixtures import documents, one_replica_args, running_app, sse_events
 
 from ground.formats import EOT
-from serve.app import ExportServer, RayLMIngress, compose_app
+from serve.app import compose_app
+from serve.engine import ExportServer
+from serve.ingress import RayLMIngress
 from serve.model_dir import hf_model_dir, read_export
 
 pytestmark = pytest.mark.ray

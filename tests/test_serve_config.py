@@ -127,7 +127,8 @@ def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
 
 def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
     """build_app's LLMConfig: raylm's settings mapped onto vLLM's and Ray Serve LLM's (no engine is started)."""
-    from serve.app import ModelDirOnTheNode, llm_config
+    from serve.app import llm_config
+    from serve.engine import ModelDirOnTheNode
     from serve.model_dir import ExportInfo
 
     export = ExportInfo("s3://b/models/m", "m", {"train_config": {"model": {"block_size": 128}}}, "0123456789ab", 0)

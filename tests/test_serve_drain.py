@@ -19,8 +19,10 @@ import requests
 from multinode import wait_for
 from serve_fixtures import one_replica_args, running_app
 
-from serve.app import ExportServer, RayLMIngress, compose_app
+from serve.app import compose_app
 from serve.drain import RETRY_AFTER_S, drain, remove_control
+from serve.engine import ExportServer
+from serve.ingress import RayLMIngress
 
 pytestmark = pytest.mark.ray
 

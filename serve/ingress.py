@@ -1,0 +1,337 @@
+"""The ingress deployment: ``RayLMIngress``, Ray Serve LLM's ``OpenAiIngress`` with what raylm adds on top.
+
+Before a request reaches the engine: the body cap (``serve.accounting``), API keys (``serve.api_keys``), the prompt
+and choice caps, and the model check. On the way out: every response counted once by status and finish reason, and
+the request's duration. Its own routes: ``/v1/models`` with the export's lineage, ``/health``, and ``/v1/canary`` (the
+scheduled canary's last result).
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (vLLM's OpenAI protocol: JSON or SSE, ``n``,
+``logprobs``, ``echo``; ``echo`` with ``logprobs`` scores the prompt, which is how the canary and
+lm-evaluation-harness score text), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health``,
+``GET /v1/canary``.
+
+Chat on a base model: the operator's message template becomes vLLM's chat template
+(``serve.config.chat_template_jinja``), and the chat stops are added to each request's own.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route methods' annotations (``request: Request``, the
+# request bodies) at runtime, and Serve's class-based view cannot resolve them as strings.
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.llm.ingress import OpenAiIngress
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+from serve.accounting import APIError, Outcome, RequestAccounting, install_error_handlers, request_outcome
+from serve.api_keys import ApiKeyAuth
+from serve.config import AppArgs
+from serve.drain import RETRY_AFTER_S, ReplicaDrain, ShutdownCut
+from serve.metrics import ServeMetrics
+from serve.model_dir import ExportInfo
+from serve.tracing import RequestTrace, RequestTracer, RequestTracing, request_trace
+
+log = logging.getLogger(__name__)
+
+ENGINE_HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica's own check before answering 503
+
+api = FastAPI(title="raylm serve", description="OpenAI-compatible completions for raylm exports, on vLLM.")
+install_error_handlers(api)
+# Starlette runs the middleware added last first: accounting wraps the key check, so a 401 is counted too.
+api.add_middleware(ApiKeyAuth)
+api.add_middleware(RequestAccounting)
+api.add_middleware(RequestTracing)  # outermost: a request's trace spans the key check and the accounting too
+
+
+class RayLMIngress(OpenAiIngress):
+    """``OpenAiIngress`` with raylm's caps, keys, accounting, lineage and canary (see the module's docstring)."""
+
+    def __init__(
+        self,
+        llm_deployments: dict[str, DeploymentHandle],
+        model_cards: dict[str, Any],
+        *,
+        args: AppArgs,
+        export: ExportInfo,
+        api_key_digests: tuple[str, ...] = (),
+        canary: DeploymentHandle | None = None,
+    ) -> None:
+        super().__init__(llm_deployments, model_cards)
+        self.args, self.export, self.api_key_digests, self.canary = args, export, api_key_digests, canary
+        self.engine = llm_deployments[export.name]
+        try:
+            context = serve.get_replica_context()
+            self.replica, app = context.replica_id.to_full_id_str(), context.app_name
+        except Exception:  # constructed outside a replica (in-process use): no app to drain
+            self.replica, app = f"local-{os.getpid()}", None
+        self.drain = ReplicaDrain(app or "", self.replica)
+        if app is not None:
+            self.drain.start_watching()  # Serve runs the constructor on the replica's event loop
+        self.metrics = ServeMetrics(
+            export.name,
+            export.lineage_id,
+            host=args.metrics_host,
+            port=args.metrics_port,
+            sd_dir=args.metrics_sd_dir,
+            instance_name=self.replica,
+            engine_replica_usd_per_hour=args.engine_replica_usd_per_hour(),
+        )
+        self.tracer = RequestTracer(args.tracing, export.name, self.replica) if args.tracing.endpoint else None
+        metrics_at = f"{self.metrics.host}:{self.metrics.port}"
+        log.info("serving %s (lineage %s), metrics on %s", export.name, export.lineage_id, metrics_at)
+
+    # ---- raylm's routes ----------------------------------------------------------------------------------
+
+    async def health(self) -> JSONResponse:
+        """200 once an engine replica answers its own health check (a load balancer then routes here), 503 while
+        none does: the engine is still starting (vLLM takes a minute on a CPU), or every replica is down."""
+        body = {"model": self.export.name, "lineage_id": self.export.lineage_id}
+        if self.drain.draining:
+            reason = "the server is shutting down: finishing the requests in flight, taking no new ones"
+            return JSONResponse({"status": "draining", "reason": reason, **body}, status_code=503)
+        try:
+            await asyncio.wait_for(self.engine.check_health.remote(), ENGINE_HEALTH_TIMEOUT_S)
+        except Exception as exc:  # no replica within the timeout, or the engine said it is unhealthy
+            reason = "no engine replica is ready" if isinstance(exc, TimeoutError) else f"engine unhealthy: {exc!r}"
+            return JSONResponse({"status": "unavailable", "reason": reason, **body}, status_code=503)
+        return JSONResponse({"status": "ok", **body})
+
+    # The routes below override OpenAiIngress's with other types on purpose: the model list and card are the
+    # export's own (its lineage), answered as JSON; the requests are the public openai_api_models' classes.
+    async def models(self) -> JSONResponse:  # type: ignore[override]
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_data(self, model: str) -> JSONResponse:  # type: ignore[override]
+        self._check_model(model)
+        return JSONResponse(self._model_card())
+
+    async def canary_status(self) -> JSONResponse:
+        if self.canary is None:
+            raise APIError(404, "this app runs no canary", type="not_found_error")
+        return JSONResponse(await self.canary.status.remote())
+
+    # ---- the engine's routes, behind the caps ------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:  # type: ignore[override]
+        arrival = time.monotonic()
+        self._check_model(body.model)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
+        if isinstance(prompts[0], int):  # one prompt of token ids
+            prompts = [prompts]
+        self._check_choices(len(prompts), body.n or 1)
+        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        if trace := request_trace(request):
+            trace.record_prompt("\n".join(p for p in prompts if isinstance(p, str)))
+        return await self._engine_call(functools.partial(super().completions, body), request, arrival)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:  # type: ignore[override]
+        arrival = time.monotonic()
+        self._check_model(body.model)
+        self._check_choices(1, body.n or 1)
+        self._check_chars(sum(_content_chars(m.get("content")) for m in body.messages), "messages")
+        own = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        body.stop = [*own, *(s for s in self.args.chat_stop if s not in own)]
+        if trace := request_trace(request):
+            trace.record_prompt(json.dumps(body.messages, default=str))
+        return await self._engine_call(functools.partial(super().chat, body), request, arrival)
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+
+    async def _engine_call(
+        self, work: Callable[[Request], Awaitable[Response]], request: Request, arrival: float
+    ) -> Response:
+        """The engine's answer to a request that passed the caps: refused while draining, counted in flight until its
+        response (or its stream) ends, and cut if the drain's deadline comes first. ``work`` is called with the
+        request the engine sees (with the engine span's traceparent when the request is traced)."""
+        if not self.drain.admit():
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests; retry (another replica, or this address once "
+                "it is back)",
+                type="server_error",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        trace = request_trace(request)
+        try:
+            with engine_loss_as_503():
+                response = await self.drain.until_cut(work(trace.engine_request(request) if trace else request))
+        except ShutdownCut as exc:
+            self.drain.finish(cut=True)
+            if trace:
+                trace.engine_done(exc)
+            raise shutdown_cut() from None
+        except BaseException as exc:
+            self.drain.finish()
+            if trace:
+                trace.engine_done(exc)
+            raise
+        return self._counted(response, request_outcome(request), arrival, trace)
+
+    def _counted(self, response: Response, outcome: Outcome, arrival: float, trace: RequestTrace | None) -> Response:
+        """Record how the request ended (for the accounting's count, and its trace) and its latency, as the client
+        sees them."""
+        if isinstance(response, StreamingResponse):
+            if trace:
+                trace.first_output()  # the ingress returns a stream once its first chunk is in
+            chunks = cast(AsyncIterator[str], response.body_iterator)  # Ray Serve LLM streams SSE messages as str
+            response.body_iterator = self._watch_stream(chunks, outcome, arrival, trace)
+            return response
+        self.drain.finish()
+        if trace:
+            trace.engine_done()
+            trace.record_body(bytes(response.body))
+        if response.status_code == 200:
+            outcome.finish_reason = "length" if b'"finish_reason":"length"' in response.body else "stop"
+            self.metrics.observe_duration(time.monotonic() - arrival)
+        return response
+
+    async def _watch_stream(
+        self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float, trace: RequestTrace | None
+    ) -> AsyncIterator[str]:
+        """The engine's SSE chunks, passed on untouched; on the way: the finish reason, and an error the engine
+        reported after the 200 went out (counted as the 500 it is). An engine that fails mid-stream (its replica
+        died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut; so
+        does a stream still open when a drain's deadline passes. Latency per token is the engine's own metric."""
+        cut = False
+        try:
+            async for chunk in self.drain.chunks_until_cut(chunks):
+                if '"finish_reason":"length"' in chunk:
+                    outcome.finish_reason = "length"
+                if 'data: {"error"' in chunk or '"object":"error"' in chunk:
+                    outcome.status, outcome.finish_reason = 500, "error"
+                if trace:
+                    trace.record_chunk(chunk)
+                yield chunk
+        except Exception as exc:  # not CancelledError: a client that leaves is counted as such by the accounting
+            if isinstance(exc, ShutdownCut):
+                cut, error = True, shutdown_cut()
+            elif isinstance(exc, RayActorError):
+                log.warning("the engine replica of a stream was lost: %s", exc)
+                error = replica_lost()
+            else:
+                log.exception("the engine failed mid-stream")
+                error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+            outcome.status, outcome.finish_reason = error.status_code, "error"
+            if trace:
+                trace.engine_done(exc)
+            yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
+            return
+        finally:
+            self.drain.finish(cut=cut)
+            if trace:
+                trace.engine_done()  # ended already when the engine failed
+        if outcome.status is None:
+            outcome.finish_reason = outcome.finish_reason or "stop"
+            self.metrics.observe_duration(time.monotonic() - arrival)
+
+    def _model_card(self) -> dict[str, Any]:
+        export = self.export
+        return {
+            "id": export.name,
+            "object": "model",
+            "created": export.created,
+            "owned_by": "raylm",
+            "lineage_id": export.lineage_id,
+            "lineage": export.lineage,
+            "context_length": export.context_length,
+        }
+
+    def _check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.export.name:
+            raise APIError(
+                404,
+                f"The model {requested!r} does not exist; this server serves {self.export.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_choices(self, prompts: int, n: int) -> None:
+        cap = self.args.max_choices
+        if prompts * n > cap:
+            raise APIError(
+                400,
+                f"{prompts} prompt(s) x n={n} asks for {prompts * n} sequences; this server takes at most {cap} "
+                "per request",
+                param="n" if n > cap else "prompt",
+                code="invalid_value",
+            )
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        cap = self.args.max_prompt_chars
+        if chars > cap:
+            raise APIError(
+                400,
+                f"{param} has {chars} characters; this server takes at most {cap} per request",
+                param=param,
+                code="prompt_too_long",
+            )
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica, and stop
+        # being one the drain waits for.
+        self.metrics.close()
+        self.drain.close()
+        if self.tracer is not None:
+            self.tracer.close()
+
+
+# An engine replica lost while it held a request (its process or node died): the answer serve/proxy_guard.py gives
+# when it is the ingress that is lost, so a client sees one error for either (503, code replica_unavailable).
+def replica_lost() -> APIError:
+    return APIError(
+        503,
+        "the engine replica serving this request was lost before it finished (its process or node failed); the "
+        "request did not complete and can be retried",
+        type="server_error",
+        code="replica_unavailable",
+    )
+
+
+def shutdown_cut() -> APIError:
+    """A request still in flight when the drain's deadline passed (``python -m serve --shutdown-timeout``)."""
+    return APIError(
+        503,
+        "the server shut down before this request finished (its shutdown timeout passed); it can be retried",
+        type="server_error",
+        code="server_shutting_down",
+    )
+
+
+@contextlib.contextmanager
+def engine_loss_as_503() -> Iterator[None]:
+    try:
+        yield
+    except RayActorError as exc:  # ActorDiedError, ActorUnavailableError: the engine replica went away
+        log.warning("the engine replica of a request was lost: %s", exc)
+        raise replica_lost() from exc
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a chat message's content: a string, or OpenAI's list of parts (the text ones count)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
+ENDPOINTS = {
+    "health": lambda app: app.get("/health"),
+    "models": lambda app: app.get("/v1/models"),
+    "model_data": lambda app: app.get("/v1/models/{model:path}"),
+    "canary_status": lambda app: app.get("/v1/canary"),
+    "completions": lambda app: app.post("/v1/completions"),
+    "chat": lambda app: app.post("/v1/chat/completions"),
+}
