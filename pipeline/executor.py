@@ -181,6 +181,7 @@ class PipelineRun:
     def run(self) -> dict:
         started = time.perf_counter()
         staging = self.staging
+        self.metrics = PipelineMetrics(self.output.name)  # Ray's metrics: Ray is up by now
         try:
             report = self._run_into(staging, started)
         except Exception as err:
@@ -189,6 +190,8 @@ class PipelineRun:
             if cause is not err:
                 raise cause from err
             raise
+        finally:
+            self.metrics.close()
         print_summary(report, self.console)
         self._say(f"output: {self.output}")
         return report
@@ -352,7 +355,6 @@ class PipelineRun:
         logging.getLogger("ray.data").setLevel(logging.ERROR)
         cfg = self.config
         paths = staging.paths
-        self.metrics = PipelineMetrics(self.output.name)  # Ray's metrics: Ray is up by now
         items = [{"index": i, "uri": f.uri, "size": f.size or 0} for i, f in enumerate(self.files)]
         self._say(f"{len(items)} input files → {self.output}" + (" (resumed)" if staging.resumed else ""))
         # One ray.put per run; every filter task gets the references and reads the arrays from the object store.

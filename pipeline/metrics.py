@@ -20,11 +20,14 @@ no endpoint of the pipeline's own, on a laptop or on a cluster's head where the 
 its counters start from 0, and it plans only what the earlier invocation left. Files left are planned - done, two
 counters rather than a gauge: Ray drops a gauge that is not set again within two export intervals, which a pass
 over large files would hit between two files. The index sizes are gauges, set every few seconds while the dedup
-pass runs (``pipeline.executor.IndexSizes``); the dashboard takes their maximum over its interval.
+pass runs (``pipeline.executor.IndexSizes``), then held at their last value until the run ends (``close``): set
+again every second, so that a scrape Prometheus misses under load (or a dedup pass shorter than two export
+intervals) does not lose them. The dashboard takes their maximum over its interval.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter as Tally
 from collections.abc import Sequence
 
@@ -82,6 +85,10 @@ class PipelineMetrics:
             "Entries the dedup index shard holds: documents in its LSH buckets (minhash), distinct exact keys.",
             tag_keys=("run", "shard", "kind"),
         )
+        self._index: list[tuple[float, dict[str, str]]] = []  # the sizes last reported, with their tags
+        self._index_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._holder: threading.Thread | None = None
 
     def pass_started(self, name: str, todo: int) -> None:
         """Pass ``name`` starts with ``todo`` files (or shards) to do."""
@@ -108,10 +115,36 @@ class PipelineMetrics:
                 self.seconds.inc(seconds, tags={**self.tags, "stage": STEP_STAGE.get(step, step)})
 
     def index_sizes(self, sizes: Sequence[dict[str, int]]) -> None:
-        """The dedup index shards' ``BucketIndex.size()``, in shard order, as the shards last reported them."""
-        for shard, size in enumerate(sizes):
-            for kind, n in size.items():
-                self.index_entries.set(n, tags={**self.tags, "shard": str(shard), "kind": kind})
+        """The dedup index shards' ``BucketIndex.size()``, in shard order, as the shards last reported them; held
+        (set again every ``HOLD_S``) until ``close``."""
+        index = [
+            (float(n), {**self.tags, "shard": str(shard), "kind": kind})
+            for shard, size in enumerate(sizes)
+            for kind, n in size.items()
+        ]
+        with self._index_lock:
+            self._index = index
+            self._set_index()
+            if self._holder is None:
+                self._holder = threading.Thread(target=self._hold_index, name="index-sizes-held", daemon=True)
+                self._holder.start()
+
+    HOLD_S = 1.0  # at most Ray's shortest export interval (1 s), so a held gauge never ages out between two sets
+
+    def _set_index(self) -> None:
+        for n, tags in self._index:
+            self.index_entries.set(n, tags=tags)
+
+    def _hold_index(self) -> None:
+        while not self._closed.wait(self.HOLD_S):
+            with self._index_lock:
+                self._set_index()
+
+    def close(self) -> None:
+        """The run has ended: stop holding the index sizes (Ray drops them two export intervals later)."""
+        self._closed.set()
+        if self._holder is not None:
+            self._holder.join()
 
     def _stages(self, summary: dict, stages: Sequence[str], docs_in: int) -> None:
         for stage, arrived, drops in stage_flow(summary, stages, docs_in):

@@ -51,21 +51,22 @@ def reference(inputs, tmp_path_factory) -> Path:
     return out
 
 
-def run_and_kill(args: list[str], out: Path, ready) -> None:
-    """Start the run, SIGKILL its driver and the local Ray it started (as a lost node would) once
-    ``ready(done_dir)`` holds, and check that it had not finished."""
+def run_and_kill(args: list[str], out: Path, in_pass: str, count: int) -> None:
+    """Start the run with its driver held once ``count`` files (pack: shards) of ``in_pass`` have finished
+    (tests/held_pipeline.py), then SIGKILL the driver and the local Ray it started, as a lost node would."""
+    flag = out.parent / f"{out.name}.held"
+    held = [sys.executable, str(REPO / "tests" / "held_pipeline.py"), in_pass, str(count), str(flag)]
     proc = subprocess.Popen(
-        cli(*args, "--output", str(out)),
+        [*held, *cli(*args, "--output", str(out))[3:]],
         cwd=REPO,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    done = out / ".staging" / "work" / "done"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None and not ready(done):
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run finished before it could be killed"
+    while time.monotonic() < deadline and proc.poll() is None and not flag.exists():
+        time.sleep(0.05)
+    assert flag.exists() and proc.poll() is None, f"the run did not reach {count} of {in_pass} (rc {proc.poll()})"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "manifest.json").exists()  # not published
@@ -80,7 +81,7 @@ def test_killed_driver_resumes_to_byte_identical_output(inputs, reference, tmp_p
     out = tmp_path / "out"
     staging = out / ".staging"
     done = staging / "work" / "done"
-    run_and_kill(args, out, lambda done: markers(done, "filter") >= 3)
+    run_and_kill(args, out, "filter", 3)
     finished_before = {p.name for p in done.glob("filter-*.json")}
     assert 3 <= len(finished_before) < FILES
 
@@ -122,29 +123,25 @@ def test_killed_driver_resumes_to_byte_identical_output(inputs, reference, tmp_p
 
 
 @pytest.mark.parametrize(
-    ("in_pass", "ready", "redone"),
+    ("in_pass", "redone"),
     [
         # The filter pass is done; the dedup index (in the killed Ray's memory) is not: rebuilt from work/filtered.
-        (
-            "dedup",
-            lambda done: markers(done, "filter") == FILES and not (done / "dedup.json").exists(),
-            rf"filter: {FILES} of {FILES} files already done \(resumed\)",
-        ),
-        ("tokenize", lambda done: 1 <= markers(done, "tokenize") < FILES, r"tokenize: (\d+) of 12 files already done"),
-        ("pack", lambda done: markers(done, "pack") >= 1, rf"tokenize: {FILES} of {FILES} files already done"),
+        ("dedup", rf"filter: {FILES} of {FILES} files already done \(resumed\)"),
+        ("tokenize", r"tokenize: (\d+) of 12 files already done"),
+        ("pack", rf"tokenize: {FILES} of {FILES} files already done"),
     ],
 )
-def test_a_run_killed_in_a_later_pass_resumes_to_byte_identical_output(
-    inputs, reference, tmp_path, in_pass, ready, redone
-):
+def test_a_run_killed_in_a_later_pass_resumes_to_byte_identical_output(inputs, reference, tmp_path, in_pass, redone):
     args = ["--input", str(inputs), "--config", str(DEMO_CONFIG), *SMALL_BATCHES]
     out = tmp_path / "out"
-    run_and_kill(args, out, ready)
+    run_and_kill(args, out, in_pass, 1)
     done = out / ".staging" / "work" / "done"
     if in_pass == "dedup":
         assert not (done / "dedup.json").exists()
     if in_pass == "tokenize":
         assert markers(done, "tokenize") < FILES
+    if in_pass == "pack":
+        assert markers(done, "pack") >= 1
     resumed = subprocess.run(cli(*args, "--output", str(out), "--resume"), cwd=REPO, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(redone, resumed.stderr), resumed.stderr  # the passes before the kill are not redone

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pyarrow.dataset as pads
 import pytest
 import ray
+import requests
 from conftest import REPO, SAMPLE
 from prometheus_helpers import query, ray_metrics_target, running_prometheus, scalar, wait_for
 from tokenizers import Tokenizer
@@ -21,6 +23,7 @@ from wet_builder import article, record_id, write_wet
 from pipeline.config import PipelineConfig, load_config
 from pipeline.errors import PipelineInputError, PipelineOutputError
 from pipeline.executor import run_pipeline
+from pipeline.metrics import PipelineMetrics
 from pipeline.steps.quality import QualityFilter
 
 pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
@@ -452,6 +455,30 @@ def test_stage_counters_in_prometheus_equal_the_report(sample_run, prometheus):
     # bands), and in no shard twice.
     reached = next(s["docs_in"] for s in report["stages"] if s["name"] == "dedup_exact")
     assert max(minhash) <= reached <= sum(minhash), (minhash, reached)
+
+
+def test_index_sizes_are_held_until_the_run_ends(local_ray):
+    """Ray evicts a gauge that is not set again within two export intervals (2 s here): the index sizes, set as
+    the dedup pass indexes files, would be gone seconds after it, and a scrape missed under load would lose them.
+    They stay exported until the run closes its metrics, then go."""
+    metrics = PipelineMetrics("held")
+    target = f"http://{ray_metrics_target()}/metrics"
+
+    def exported() -> bool:
+        body = requests.get(target, timeout=10).text
+        return any(
+            line.startswith("ray_raylm_pipeline_dedup_index_entries{") and 'run="held"' in line
+            for line in body.splitlines()
+        )
+
+    try:
+        metrics.index_sizes([{"minhash": 5, "exact": 3}])
+        wait_for(exported, what="the index sizes exported")
+        time.sleep(5)  # past Ray's eviction of a gauge set once
+        assert exported()
+    finally:
+        metrics.close()
+    wait_for(lambda: not exported(), what="the index sizes dropped once the run ended")
 
 
 def test_every_pipeline_dashboard_panel_query_returns_data(sample_run, prometheus):
