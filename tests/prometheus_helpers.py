@@ -85,6 +85,14 @@ def running_prometheus(
     config["scrape_configs"] = jobs
     extra = ["--web.enable-lifecycle", *(["--rules.alert.resend-delay=1s"] if alertmanager else [])]
     with _running("prometheus", config, workdir, f"--storage.tsdb.path={workdir / 'tsdb'}", *extra) as url:
+        if ray_targets:
+            # Every Ray agent scraped once before the caller's work starts: a gauge of a run of a few seconds (the
+            # dedup index sizes, held until the run ends, then evicted by Ray) would otherwise be over before
+            # Prometheus's first scrape, which waits for its service discovery.
+            wait_for(
+                lambda: len(query(url, 'up{job="ray"} == 1')) == len(ray_targets),
+                what="Prometheus's first scrape of the Ray metrics agents",
+            )
         yield url
 
 
