@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from rich.console import Console
 
 from ground.logsetup import setup_logging, stderr_console
 from ground.overrides import add_set_option
 from ground.ray_address import add_address_option
+from pipeline.stage_plan import stage_list_help
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,8 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run the pipeline",
-        description="extract → language → quality → dedup_exact → dedup_minhash → tokenize; writes manifest.json, "
-        "tokens/*.bin, tokenizer.json, documents/ and rejected/ parquet, report.json and report.md.",
+        description=textwrap.fill(
+            "Runs every stage below, in order, over the input files; writes manifest.json, tokens/*.bin, "
+            "tokenizer.json, documents/ and rejected/ parquet, report.json and report.md. Each stage has its "
+            "section in --config (see pipeline/configs/demo.yaml); a config's steps: adds filter steps of your "
+            "own (pipeline/README.md).",
+            100,
+        ),
+        epilog="stages:\n" + stage_list_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument(

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.errors import PipelineInputError
 from pipeline.sources import RetryConfig
+from pipeline.stage_plan import BUILTIN_STEPS, AddedStep, StagePlan, plan_stages
 from pipeline.steps.decontaminate import DecontaminationConfig
 from pipeline.steps.dedup import DedupConfig
 from pipeline.steps.extract import ExtractConfig
@@ -54,9 +55,15 @@ class PipelineConfig(BaseModel):
     perplexity: PerplexityConfig = Field(default_factory=PerplexityConfig)
     decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
+    # Filter steps of your own, each after a stage (pipeline.stage_plan): use: module:Class, after:, config:.
+    steps: list[AddedStep] = Field(default_factory=list)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
+
+    def stage_plan(self) -> StagePlan:
+        """The run's filter steps: the built-in ones, each with its section (named as the step), and ``steps``."""
+        return plan_stages([getattr(self, step.name) for step in BUILTIN_STEPS], self.steps)
 
 
 def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
@@ -64,6 +71,11 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = N
     from ground.overrides import ConfigError, load
 
     try:
-        return load(PipelineConfig, path, overrides, source=str(path) if path is not None else "config")
+        config = load(PipelineConfig, path, overrides, source=str(path) if path is not None else "config")
     except ConfigError as err:
         raise PipelineInputError(f"invalid pipeline config: {err}") from err
+    try:
+        config.stage_plan()  # the steps it adds import, fit in, and take their config
+    except PipelineInputError as err:
+        raise PipelineInputError(f"invalid pipeline config {path or ''}: {err}".replace("config :", "config:")) from err
+    return config

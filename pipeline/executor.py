@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import ray
 from rich.console import Console
 from tokenizers import Tokenizer
@@ -149,6 +150,8 @@ class PipelineRun:
         prepared: RunInputs | None = None,
     ) -> None:
         self.config = config
+        # The run's filter steps (the config's added ones imported and checked here, in the driver, first).
+        self.plan = config.stage_plan()
         # The inputs and resource files, listed and hashed once here in the driver, before Ray starts (a missing file
         # fails fast, naming it); the blocklist and n-gram index reach the workers through the object store.
         gathered = prepared or gather_inputs(inputs, config, input_list=input_list, base_url=base_url)
@@ -181,7 +184,7 @@ class PipelineRun:
     def run(self) -> dict:
         started = time.perf_counter()
         staging = self.staging
-        self.metrics = PipelineMetrics(self.output.name)  # Ray's metrics: Ray is up by now
+        self.metrics = PipelineMetrics(self.output.name, self.plan.filter_stages)  # Ray's metrics: Ray is up by now
         try:
             report = self._run_into(staging, started)
         except Exception as err:
@@ -337,7 +340,10 @@ class PipelineRun:
         task = ray.remote(_pack_and_mark)
         self.metrics.pass_started("pack", len(todo))
         with PassProgress(self.console, "pack", len(plan), 0, len(entries), unit="shards") as bar:
-            pending = [task.options(name=f"pack {name}").remote(staging.paths, name, pieces) for name, pieces in todo]
+            schema = self.plan.schemas.kept
+            pending = [
+                task.options(name=f"pack {name}").remote(staging.paths, name, pieces, schema) for name, pieces in todo
+            ]
             while pending:
                 ready, pending = ray.wait(pending)
                 for entry in ray.get(ready):
@@ -391,7 +397,7 @@ class PipelineRun:
         )
         shards = self._pack(staging, tokenized)
         if paths.root.join("rejected").is_empty():
-            write_empty_rejected(paths.root / "rejected")
+            write_empty_rejected(paths.root / "rejected", self.plan.schemas.rejected)
         return self._write_manifest_and_report(
             staging, filtered, dedup, tokenized, shards, tokenizer, tokenizer_seconds, started
         )
@@ -426,7 +432,7 @@ class PipelineRun:
         root = staging.paths.root
         vocab_size = tokenizer.get_vocab_size()
         dtype = token_dtype(vocab_size)
-        acc = StageAccounting()
+        acc = StageAccounting(self.plan.stages)
         for name in self.resources["eval_sets"]:
             acc.counts["decontamination"][name] += 0  # a set nothing matched is listed, with 0
         for s in filtered:
@@ -523,8 +529,8 @@ class PipelineRun:
         return report
 
 
-def _pack_and_mark(paths: RunPaths, name: str, pieces: list[dict]) -> dict:
-    entry = pack_shard(paths.root, paths.pieces_dir, pieces, name)
+def _pack_and_mark(paths: RunPaths, name: str, pieces: list[dict], schema: pa.Schema) -> dict:
+    entry = pack_shard(paths.root, paths.pieces_dir, pieces, name, schema)
     paths.done(f"pack-{name}").write_json(entry)
     return {"name": name, "entry": entry}
 

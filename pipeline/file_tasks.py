@@ -31,27 +31,23 @@ from pipeline.config import PipelineConfig
 from pipeline.errors import TASK_ERRORS, IndexShardLost, PipelineInputError
 from pipeline.output import PieceWriter, RejectedWriter
 from pipeline.report import KeptTokenStats, count_annotations
-from pipeline.schema import FILTER_STAGES, FILTERED_SCHEMA, to_table
+from pipeline.schema import to_table
 from pipeline.sources import ReadStats, open_input
+from pipeline.stage_plan import TOKENIZE_PASS_STAGES
 from pipeline.staging import RunPaths
 from pipeline.steps.base import Doc, Step, is_dropped
-from pipeline.steps.decontaminate import ContaminationIndex, Decontaminate
+from pipeline.steps.decontaminate import ContaminationIndex
 from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch
 from pipeline.steps.dedup_index import shard_part
 from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
-from pipeline.steps.language import LanguageFilter
 from pipeline.steps.perplexity import (
     PerplexityBuckets,
-    PerplexityFilter,
     histogram,
     load_scorer,
     summary_histogram,
 )
-from pipeline.steps.pii import MaskPii
-from pipeline.steps.quality import QualityFilter
-from pipeline.steps.quality_classifier import QualityClassifier
 from pipeline.steps.tokenize import TokenizeDocs, token_dtype, tokenizer_from_json
-from pipeline.steps.url_filter import UrlBlocklist, UrlFilter
+from pipeline.steps.url_filter import UrlBlocklist
 
 
 def filter_steps(
@@ -61,19 +57,18 @@ def filter_steps(
     classifier_sha256: str | None = None,
     perplexity_sha256: str | None = None,
 ) -> list[Step]:
-    """The steps after extract, in order (``STAGES``). The URL blocklist and the eval-set index are built once by
-    the driver and passed in, so the steps hold no file paths of their own and run without Ray in tests. The
-    classifier and perplexity models are loaded by path once per worker process; ``classifier_sha256`` and
-    ``perplexity_sha256`` are the driver's hashes of them (None: hashed here)."""
-    return [
-        UrlFilter(config.url_filter, blocklist),
-        LanguageFilter(config.language),
-        QualityFilter(config.quality),
-        QualityClassifier(config.classifier, classifier_sha256),
-        PerplexityFilter(config.perplexity, perplexity_sha256),
-        Decontaminate(config.decontamination, contamination),
-        MaskPii(config.pii),
-    ]
+    """The steps after extract, in order (``pipeline.stage_plan``: the built-in ones and those the config adds).
+    The URL blocklist and the eval-set index are built once by the driver and passed in, so the steps hold no file
+    paths of their own and run without Ray in tests. The classifier and perplexity models are loaded by path once
+    per worker process; ``classifier_sha256`` and ``perplexity_sha256`` are the driver's hashes of them (None:
+    hashed here)."""
+    resources = {
+        "blocklist": blocklist,
+        "contamination": contamination,
+        "classifier_sha256": classifier_sha256,
+        "perplexity_sha256": perplexity_sha256,
+    }
+    return config.stage_plan().build(resources)
 
 
 def _resolved(value: Any) -> Any:
@@ -176,7 +171,8 @@ def filter_file(
     perplexities: Counter = Counter()
     keys = DedupKeys(config.dedup)
     stats = ReadStats()
-    with paths.filtered(index).open_output() as out, pq.ParquetWriter(out, FILTERED_SCHEMA) as writer:
+    schema = config.stage_plan().schemas.filtered
+    with paths.filtered(index).open_output() as out, pq.ParquetWriter(out, schema) as writer:
         for block in _blocks(_records(uri, config, stats, seconds), config.execution.records_per_block):
             for step in steps:
                 started = time.perf_counter()
@@ -190,7 +186,7 @@ def filter_file(
             counts.update(count_annotations(block))
             if config.perplexity.active:
                 perplexities.update(histogram(block))
-            writer.write_table(to_table(block, FILTERED_SCHEMA))
+            writer.write_table(to_table(block, schema))
     summary = {
         "index": index,
         "uri": uri,
@@ -326,11 +322,12 @@ def tokenize_file(
     buckets = PerplexityBuckets(perplexity_cutoffs) if perplexity_cutoffs else None
     tokenize = TokenizeDocs(tokenizer_json, config.tokenize)
     dtype = token_dtype(tokenizer_from_json(tokenizer_json).get_vocab_size())
+    schemas = config.stage_plan().schemas
     writers = {
-        s: PieceWriter(paths.pieces_dir, f"{s}-{index:05d}", s, dtype, config.tokenize.shard_tokens)
+        s: PieceWriter(paths.pieces_dir, f"{s}-{index:05d}", s, dtype, config.tokenize.shard_tokens, schemas.kept)
         for s in ("train", "val")
     }
-    rejected = RejectedWriter(paths.root / "rejected", index, config.execution.rejected_rows_per_file)
+    rejected = RejectedWriter(paths.root / "rejected", index, config.execution.rejected_rows_per_file, schemas.rejected)
     kept = tokens = 0
     stats = KeptTokenStats()
     for batch in _filtered_batches(paths, index):
@@ -343,10 +340,10 @@ def tokenize_file(
         started = time.perf_counter()
         tokenize(rows)
         seconds["tokenize"] += time.perf_counter() - started
-        drops.update((r["stage"], r["reason"]) for r in rows if is_dropped(r) and r["stage"] not in FILTER_STAGES)
+        drops.update((r["stage"], r["reason"]) for r in rows if is_dropped(r) and r["stage"] in TOKENIZE_PASS_STAGES)
         dropped_rows = [r for r in rows if is_dropped(r)]
         if dropped_rows:
-            rejected.add(pa.Table.from_pylist(dropped_rows, schema=FILTERED_SCHEMA))
+            rejected.add(pa.Table.from_pylist(dropped_rows, schema=schemas.filtered))
         for row in rows:
             if not is_dropped(row):
                 writers[row["split"]].add(row)

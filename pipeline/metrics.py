@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from ray.util.metrics import Counter, Gauge
 
 from pipeline.report import STEP_STAGE
-from pipeline.schema import FILTER_STAGES, TOKENIZE_PASS_STAGES
+from pipeline.stage_plan import TOKENIZE_PASS_STAGES
 
 
 def stage_flow(summary: dict, stages: Sequence[str], docs_in: int) -> list[tuple[str, int, Tally]]:
@@ -59,8 +59,9 @@ def ascii_label(text: str) -> str:
 class PipelineMetrics:
     """The run's instruments, fed with the file summaries the driver receives (``pipeline.executor``)."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, filter_stages: Sequence[str]) -> None:
         self.tags = {"run": ascii_label(run)}
+        self.filter_stages = tuple(filter_stages)  # the run's (StagePlan.filter_stages), added steps included
         self.docs_in = Counter(
             "raylm_pipeline_documents_in", "Documents that reached the stage.", tag_keys=("run", "stage")
         )
@@ -102,7 +103,7 @@ class PipelineMetrics:
         if summary is None or name not in ("filter", "tokenize"):
             return
         if name == "filter":
-            self._stages(summary, FILTER_STAGES, summary["records"])
+            self._stages(summary, self.filter_stages, summary["records"])
             if summary.get("bytes"):
                 self.input_bytes.inc(summary["bytes"], tags=self.tags)
         else:

@@ -20,10 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ground.storage import Location
-from pipeline.schema import DOC_SCHEMA, KEPT_COLUMNS, REJECTED_COLUMNS
 
-KEPT_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in KEPT_COLUMNS])
-REJECTED_SCHEMA = pa.schema([DOC_SCHEMA.field(c) for c in REJECTED_COLUMNS])
 DOCS_PER_ROW_GROUP = 4096
 COPY_CHUNK = 1 << 22
 
@@ -35,25 +32,28 @@ class _OpenPiece:
     bin_file: BinaryIO
     sha: hashlib._Hash
     docs_writer: pq.ParquetWriter
+    schema: pa.Schema
     tokens: int = 0
     docs: int = 0
     pending: list[dict] = field(default_factory=list)
 
     def flush_docs(self) -> None:
         if self.pending:
-            self.docs_writer.write_table(pa.Table.from_pylist(self.pending, schema=KEPT_SCHEMA))
+            self.docs_writer.write_table(pa.Table.from_pylist(self.pending, schema=self.schema))
             self.pending.clear()
 
 
 @dataclass
 class PieceWriter:
-    """Pieces ``{prefix}-KKK.bin`` + ``.parquet`` of one split of one input file, in ``directory``."""
+    """Pieces ``{prefix}-KKK.bin`` + ``.parquet`` of one split of one input file, in ``directory``; the
+    documents with the run's ``schema`` (``DocumentSchemas.kept``)."""
 
     directory: Location
     prefix: str
     split: str
     dtype: np.dtype
     shard_tokens: int
+    schema: pa.Schema
     pieces: list[dict] = field(default_factory=list)
     _piece: _OpenPiece | None = None
 
@@ -62,8 +62,8 @@ class PieceWriter:
         with ExitStack() as files:
             bin_file = files.enter_context((self.directory / f"{name}.bin").open_output())
             docs_file = files.enter_context((self.directory / f"{name}.parquet").open_output())
-            writer = pq.ParquetWriter(docs_file, KEPT_SCHEMA)
-            return _OpenPiece(name, files.pop_all(), bin_file, hashlib.sha256(), writer)
+            writer = pq.ParquetWriter(docs_file, self.schema)
+            return _OpenPiece(name, files.pop_all(), bin_file, hashlib.sha256(), writer, self.schema)
 
     def add(self, doc: dict) -> None:
         if self._piece is None:
@@ -104,10 +104,12 @@ class PieceWriter:
 
 
 class RejectedWriter:
-    """``rejected/part-FFFFF-KKK.parquet`` for input file FFFFF, a new part every ``rows_per_file`` rows."""
+    """``rejected/part-FFFFF-KKK.parquet`` for input file FFFFF, a new part every ``rows_per_file`` rows, with the
+    run's ``schema`` (``DocumentSchemas.rejected``)."""
 
-    def __init__(self, directory: Location, file_index: int, rows_per_file: int) -> None:
+    def __init__(self, directory: Location, file_index: int, rows_per_file: int, schema: pa.Schema) -> None:
         self.dir = directory
+        self.schema = schema
         self.file_index = file_index
         self.rows_per_file = rows_per_file
         self._writer: pq.ParquetWriter | None = None
@@ -122,10 +124,10 @@ class RejectedWriter:
             if self._writer is None:
                 self._name = f"part-{self.file_index:05d}-{len(self.files):03d}.parquet"
                 sink = self._file.enter_context((self.dir / self._name).open_output())
-                self._writer = pq.ParquetWriter(sink, REJECTED_SCHEMA)
+                self._writer = pq.ParquetWriter(sink, self.schema)
                 self._rows = 0
             take = min(self.rows_per_file - self._rows, table.num_rows - offset)
-            self._writer.write_table(table.slice(offset, take).select(REJECTED_COLUMNS).cast(REJECTED_SCHEMA))
+            self._writer.write_table(table.slice(offset, take).select(self.schema.names).cast(self.schema))
             self._rows += take
             offset += take
             if self._rows >= self.rows_per_file:
@@ -139,14 +141,15 @@ class RejectedWriter:
             self._writer = None
 
 
-def write_empty_rejected(directory: Location) -> None:
+def write_empty_rejected(directory: Location, schema: pa.Schema) -> None:
     """Readers of rejected/*.parquet get an empty table, not a missing-file error, when nothing was dropped."""
     with (directory / "part-00000-000.parquet").open_output() as out:
-        pq.write_table(REJECTED_SCHEMA.empty_table(), out)
+        pq.write_table(schema.empty_table(), out)
 
 
-def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: str) -> dict:
-    """Join consecutive pieces into ``tokens/{name}.bin`` and ``documents/{name}.parquet``; return its entry."""
+def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: str, schema: pa.Schema) -> dict:
+    """Join consecutive pieces into ``tokens/{name}.bin`` and ``documents/{name}.parquet`` (the run's ``schema``,
+    ``DocumentSchemas.kept``, as the pieces have it); return its entry."""
     sha = hashlib.sha256()
     with (root / "tokens" / f"{name}.bin").open_output() as out:
         for piece in pieces:
@@ -160,7 +163,7 @@ def pack_shard(root: Location, pieces_dir: Location, pieces: list[dict], name: s
                 for chunk in iter(lambda: src.read(COPY_CHUNK), b""):
                     out.write(chunk)
         else:
-            with pq.ParquetWriter(out, KEPT_SCHEMA) as writer:
+            with pq.ParquetWriter(out, schema) as writer:
                 for piece in pieces:
                     with (pieces_dir / f"{piece['name']}.parquet").open_input() as src:
                         for batch in pq.ParquetFile(src).iter_batches():

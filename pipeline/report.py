@@ -12,7 +12,6 @@ from typing import Literal
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.schema import STAGES
 from pipeline.steps.base import Doc
 from pipeline.steps.decontaminate import STAGE as DECONTAMINATION
 from pipeline.steps.decontaminate import matched_sets
@@ -111,14 +110,20 @@ def _nearest_rank(ordered: list[tuple[int, int]], count: int, q: float) -> int |
 
 @dataclass
 class StageAccounting:
-    """Counts gathered from the per-file summaries: every record read is kept or dropped by exactly one stage."""
+    """Counts gathered from the per-file summaries: every record read is kept or dropped by exactly one of the
+    run's ``stages`` (``StagePlan.stages``, in order)."""
 
+    stages: tuple[str, ...]
     records: int = 0
     kept: int = 0
-    drops: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
+    drops: dict[str, Counter] = field(init=False)
     # What a stage found besides drops (see count_annotations).
-    counts: dict[str, Counter] = field(default_factory=lambda: {s: Counter() for s in STAGES})
+    counts: dict[str, Counter] = field(init=False)
     seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def __post_init__(self) -> None:
+        self.drops = {s: Counter() for s in self.stages}
+        self.counts = {s: Counter() for s in self.stages}
 
     def add_summary(self, summary: dict) -> None:
         """A filter summary (``records``, drops and counts of the stages before dedup) or a tokenize summary
@@ -157,7 +162,7 @@ def stage_rows(acc: StageAccounting) -> list[dict]:
     workers (so they can exceed wall time), including the dedup index shards and BPE training."""
     rows = []
     docs_in = acc.records
-    for stage in STAGES:
+    for stage in acc.stages:
         dropped = sum(acc.drops[stage].values())
         rows.append(
             {

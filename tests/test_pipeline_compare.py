@@ -21,6 +21,7 @@ from ground.hashing import sha256_file
 from ground.storage import Location
 from pipeline.__main__ import main
 from pipeline.compare import Output, measure_kept_stats
+from pipeline.config import PipelineConfig
 from pipeline.output import PieceWriter, pack_shard
 from pipeline.report import EXACT_LENGTHS, KeptTokenStats, StageAccounting, render_markdown, stage_rows
 from pipeline.steps.extract import read_wet
@@ -49,14 +50,15 @@ def build_output(root: Path, rows: list[dict], tokenizer, drop_rate: float = 0.2
     TokenizeDocs(tokenizer.to_str(), config)(docs)
     stats = KeptTokenStats()
     dtype = token_dtype(tokenizer.get_vocab_size())
-    writer = PieceWriter(Location(root / "pieces"), "train-00000", "train", dtype, 1 << 30)
+    schemas = PipelineConfig().stage_plan().schemas
+    writer = PieceWriter(Location(root / "pieces"), "train-00000", "train", dtype, 1 << 30, schemas.kept)
     for doc in docs:
         writer.add(doc)
         stats.add(doc["language"], doc["text"], len(doc["tokens"]) - 1)
-    entry = pack_shard(Location(root), Location(root / "pieces"), writer.close(), "train-00000")
+    entry = pack_shard(Location(root), Location(root / "pieces"), writer.close(), "train-00000", schemas.kept)
     shutil.rmtree(root / "pieces")
     tokenizer.save(str(root / "tokenizer.json"))
-    acc = StageAccounting()
+    acc = StageAccounting(PipelineConfig().stage_plan().stages)
     dropped = round(len(docs) * drop_rate / (1 - drop_rate))
     acc.add_summary(
         {"records": len(docs) + dropped, "drops": [["quality", "gopher:min_words", dropped]], "seconds": {}}

@@ -461,7 +461,7 @@ def test_index_sizes_are_held_until_the_run_ends(local_ray):
     """Ray evicts a gauge that is not set again within two export intervals (2 s here): the index sizes, set as
     the dedup pass indexes files, would be gone seconds after it, and a scrape missed under load would lose them.
     They stay exported until the run closes its metrics, then go."""
-    metrics = PipelineMetrics("held")
+    metrics = PipelineMetrics("held", PipelineConfig().stage_plan().filter_stages)
     target = f"http://{ray_metrics_target()}/metrics"
 
     def exported() -> bool:

@@ -11,11 +11,11 @@ import pytest
 from conftest import REPO, SAMPLE, SHARED_DATA
 from wet_builder import write_wet
 
-from pipeline.config import load_config
+from pipeline.config import PipelineConfig, load_config
 from pipeline.errors import PipelineInputError
-from pipeline.file_tasks import FILTER_STAGES, filter_file, filter_steps
+from pipeline.file_tasks import filter_file, filter_steps
 from pipeline.report import StageAccounting, render_markdown, stage_rows
-from pipeline.schema import KEPT_COLUMNS, REJECTED_COLUMNS, STAGES
+from pipeline.stage_plan import BUILTIN_STEPS
 from pipeline.staging import RunPaths
 from pipeline.steps.decontaminate import build_index
 from pipeline.steps.pii import PII_COLUMNS
@@ -27,14 +27,23 @@ GSM8K = SHARED_DATA / "eval-sets" / "gsm8k-test.jsonl"
 
 def test_filter_steps_run_in_report_order():
     config = load_config(None)
+    plan = config.stage_plan()
     names = ["extract", *(s.name for s in filter_steps(config))]
-    assert tuple(names) == FILTER_STAGES == STAGES[: STAGES.index("dedup_exact")]
+    assert tuple(names) == plan.filter_stages == plan.stages[: plan.stages.index("dedup_exact")]
     assert names.index("url_filter") == 1  # right after extract, before the costly steps
 
 
+def test_each_built_in_step_is_its_config_section():
+    """A step's config model is declared once, on the step: the config's section of that name takes it."""
+    for step in BUILTIN_STEPS:
+        assert PipelineConfig.model_fields[step.name].annotation is step.config_model, step.name
+        assert step.summary, step.name
+
+
 def test_annotation_columns_reach_documents_and_rejected():
+    schemas = load_config(None).stage_plan().schemas
     for column in ("contamination", *PII_COLUMNS):
-        assert column in KEPT_COLUMNS and column in REJECTED_COLUMNS
+        assert column in schemas.kept.names and column in schemas.rejected.names
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +107,11 @@ def test_each_stage_drops_or_annotates_its_document(run):
 
 def test_report_rows_show_counts_and_reasons_of_the_new_stages(run):
     summary, _, _ = run
-    acc = StageAccounting()
+    plan = load_config(None).stage_plan()
+    acc = StageAccounting(plan.stages)
     acc.add_summary(summary)
     stages = {s["name"]: s for s in stage_rows(acc)}
-    assert list(stages) == list(STAGES)
+    assert list(stages) == list(plan.stages)
     assert stages["url_filter"]["reasons"] == {"url:blocklist": 1}
     assert stages["decontamination"]["reasons"] == {"contamination:gsm8k": 1}
     assert stages["decontamination"]["counts"] == {"gsm8k": 1}

@@ -479,7 +479,7 @@ def test_real_commoncrawl_head_docs() -> None:
 
 RULES = [rule for family in RULE_FAMILIES for rule in family.rules]
 
-# The parquet signal columns (pipeline/schema.py), written out so that a reordered table row shows up here.
+# The parquet signal columns (QualityFilter.columns), written out so that a reordered table row shows up here.
 SIGNAL_COLUMNS = (
     "word_count",
     "mean_word_length",

@@ -6,14 +6,23 @@ a document by setting ``stage`` and ``reason`` instead of removing it. Dropped r
 end, where the executor splits them into ``documents/`` and ``rejected/``; that is what makes the record
 accounting (kept + all drops = records read) hold by construction, and it lets a step be unit-tested on a
 Python list without Ray.
+
+A step also declares what the rest of the pipeline derives from it: its ``name`` (its stage in the report, the
+metrics and ``rejected/``; a built-in step's config section), a one-line ``summary`` (``--help``), the
+``columns`` it adds to every document (written to ``work/filtered``, ``documents/`` and ``rejected/``), its
+``config_model`` and how a run builds it (``from_run``). ``pipeline.stage_plan`` lists the built-in steps and
+adds the ones a config names under ``steps:``, which is how a step written outside this repo joins a run.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
+
+import pyarrow as pa
+from pydantic import BaseModel
 
 Doc = dict[str, Any]
 
@@ -33,9 +42,20 @@ def drop(doc: Doc, stage: str, reason: str, duplicate_of: str | None = None) -> 
 
 
 class Step(ABC):
-    """A pipeline step. Subclasses set ``name`` and implement ``apply`` for the documents still alive."""
+    """A pipeline step. Subclasses set ``name`` and implement ``apply`` for the documents still alive; the filter
+    steps (``pipeline.stage_plan``) also declare ``summary``, ``columns`` and ``config_model``."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    columns: ClassVar[tuple[pa.Field, ...]] = ()
+    config_model: ClassVar[type[BaseModel] | None] = None
+
+    @classmethod
+    def from_run(cls, config: BaseModel | None, resources: Mapping[str, Any]) -> Step:
+        """The step for one worker of a run: ``config`` is its section, validated with ``config_model`` (None
+        without one); ``resources`` what the driver prepared once for the run's workers (``blocklist``,
+        ``contamination``, ``classifier_sha256``, ``perplexity_sha256``). A step that needs more overrides this."""
+        return cls(config) if config is not None else cls()  # type: ignore[call-arg]  # a subclass's own __init__
 
     def __call__(self, docs: list[Doc]) -> list[Doc]:
         alive = [d for d in docs if not is_dropped(d)]

@@ -26,12 +26,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ground.hashing import sha256_file
@@ -246,6 +247,13 @@ class Decontaminate(Step):
     ``action: drop``, drops a matching document with reason ``contamination:<first matched set>``."""
 
     name = STAGE
+    summary = "n-gram overlap with the eval sets (contamination); drops or flags a matching document"
+    columns = (pa.field("contamination", pa.string()),)
+    config_model = DecontaminationConfig
+
+    @classmethod
+    def from_run(cls, config: BaseModel | None, resources: Mapping[str, Any]) -> Decontaminate:
+        return cls(cast(DecontaminationConfig, config), resources.get("contamination"))
 
     def __init__(self, config: DecontaminationConfig, index: ContaminationIndex | None) -> None:
         if config.active and index is None:

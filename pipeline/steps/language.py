@@ -51,6 +51,8 @@ def normalise_for_lid(text: str, max_chars: int | None = None) -> str:
 
 class LanguageFilter(Step):
     name = "language"
+    summary = "fastText language ID (lid.176); sets language and language_score, keeps the configured languages"
+    config_model = LanguageConfig
 
     def __init__(self, config: LanguageConfig | None = None) -> None:
         self.config = config or LanguageConfig()

@@ -26,9 +26,11 @@ import bisect
 import json
 import math
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ground.hashing import sha256_file, sha256_json
@@ -182,6 +184,14 @@ class PerplexityFilter(Step):
     """Sets ``perplexity`` and, with ``max_perplexity``, drops documents above it (``perplexity:too_high``)."""
 
     name = STAGE
+    summary = "a reference LM's perplexity; drops above max_perplexity; head/middle/tail bucket per language"
+    # The bucket is set in the tokenize pass (PerplexityBuckets), once the run's cutoffs are known.
+    columns = (pa.field(SCORE_COLUMN, pa.float64()), pa.field(BUCKET_COLUMN, pa.string()))
+    config_model = PerplexityConfig
+
+    @classmethod
+    def from_run(cls, config: BaseModel | None, resources: Mapping[str, Any]) -> PerplexityFilter:
+        return cls(cast(PerplexityConfig, config), resources.get("perplexity_sha256"))
 
     def __init__(self, config: PerplexityConfig | None = None, sha256: str | None = None) -> None:
         self.config = config or PerplexityConfig()

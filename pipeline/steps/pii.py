@@ -38,6 +38,7 @@ import re
 from collections.abc import Iterator
 from typing import Literal, get_args
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.steps.base import Doc, Step
@@ -221,6 +222,9 @@ class MaskPii(Step):
     or the stage is off). Never drops."""
 
     name = STAGE
+    summary = "mask emails, IP addresses, phone numbers and secrets with placeholders (pii_<type> counts them)"
+    columns = tuple(pa.field(column, pa.int64()) for column in PII_COLUMNS)
+    config_model = PiiConfig
 
     def __init__(self, config: PiiConfig | None = None) -> None:
         self.config = config or PiiConfig()

@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.steps.base import Doc, Step, drop
@@ -565,6 +566,9 @@ class QualityFilter(Step):
     """Writes every :data:`QUALITY_SIGNALS` column, drops with the first failing rule, applies C4 line edits."""
 
     name = "quality"
+    summary = "Gopher, C4 and FineWeb rules; sets every rule's signal, drops with the first failing rule"
+    columns = tuple(pa.field(signal, pa.float64()) for signal in QUALITY_SIGNALS)
+    config_model = QualityConfig
 
     def __init__(self, config: QualityConfig | None = None) -> None:
         self.config = config or QualityConfig()

@@ -24,10 +24,12 @@ import json
 import logging
 import random
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from ground.hashing import sha256_file
@@ -118,6 +120,13 @@ class QualityClassifier(Step):
     """Sets ``classifier_score`` = P(hq) and drops documents below the threshold (``classifier:low_score``)."""
 
     name = STAGE
+    summary = "a fastText quality classifier's P(hq) (classifier_score); drops below the threshold"
+    columns = (pa.field(SCORE_COLUMN, pa.float64()),)
+    config_model = ClassifierConfig
+
+    @classmethod
+    def from_run(cls, config: BaseModel | None, resources: Mapping[str, Any]) -> QualityClassifier:
+        return cls(cast(ClassifierConfig, config), resources.get("classifier_sha256"))
 
     def __init__(self, config: ClassifierConfig | None = None, sha256: str | None = None) -> None:
         self.config = config or ClassifierConfig()

@@ -25,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -150,6 +152,12 @@ def load_blocklist(path: str) -> UrlBlocklist:
 
 class UrlFilter(Step):
     name = STAGE
+    summary = "drop pages whose URL's domain (or URL prefix) is on the blocklist or contains a banned substring"
+    config_model = UrlFilterConfig
+
+    @classmethod
+    def from_run(cls, config: BaseModel | None, resources: Mapping[str, Any]) -> UrlFilter:
+        return cls(cast(UrlFilterConfig, config), resources.get("blocklist"))
 
     def __init__(self, config: UrlFilterConfig | None = None, blocklist: UrlBlocklist | None = None) -> None:
         self.config = config or UrlFilterConfig()
