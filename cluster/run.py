@@ -59,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the directory this spec's STAGE writes (whether or not it has run) and exit, e.g. "
         "--data $(python -m cluster.run JOB.yaml --where curate)",
     )
+    parser.add_argument(
+        "--worker-logs",
+        choices=("files", "terminal"),
+        default="files",
+        help="where the Ray workers' and Serve replicas' output goes: 'files' (default) leaves it in each node's Ray "
+        "session logs (the Ray dashboard's Logs view), so that this job's output is its stages, their progress and "
+        "the served completion; 'terminal' also copies every line here, prefixed with its process",
+    )
     add_address_option(parser)
     return parser.parse_args(argv)
 
@@ -109,8 +117,9 @@ def keyed_outputs(job: Job) -> tuple[dict[str, StageOutput], Any]:
 class Chain:
     """Runs the stages in order; Ray starts once, at the first stage that has work to do."""
 
-    def __init__(self, address: str | None) -> None:
+    def __init__(self, address: str | None, worker_logs: str = "files") -> None:
         self.address = address
+        self.worker_logs = worker_logs
         self.started_ray = False
 
     def ensure_ray(self) -> None:
@@ -121,8 +130,15 @@ class Chain:
             # to this job's output, where their access lines would cut into the report and the streamed completion.
             # A local Ray's workers inherit this environment; a cluster's get it from cluster/jobs/runtime_env.yaml.
             os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-            ray.init(address=self.address)
+            # The workers' own output (vLLM's engine, Ray Train's workers, libraries' import warnings) stays in the
+            # session's log files too unless asked for: the stages report their progress from this driver, and a
+            # worker's error reaches it with the task's or the training run's failure.
+            terminal = self.worker_logs == "terminal"
+            ray.init(address=self.address, log_to_driver=terminal)
             self.started_ray = True
+            if not terminal:
+                where = "by default /tmp/ray/session_latest/logs on this one; --worker-logs terminal shows them here"
+                print(f"Ray's workers and Serve's replicas log to each node's Ray session logs ({where})", flush=True)
 
     def stage(self, out: StageOutput, work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]) -> None:
         """Skip ``out`` if it is done and verifies; else run ``work(location, resume)`` and record it."""
@@ -155,7 +171,7 @@ class Chain:
             ray.shutdown()
 
 
-def run_chain(job: Job, until: str, address: str | None = None) -> int:
+def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str = "files") -> int:
     last = STAGES.index(until)
     say("plan", *plan_verdict(job))
     if last == 0:
@@ -169,7 +185,7 @@ def run_chain(job: Job, until: str, address: str | None = None) -> int:
         "eval": lambda out, resume: run_eval(job, out, curated, exported),
     }
     done = {name: outputs[name] for name in STAGES[1 : min(last, STAGES.index("eval")) + 1]}
-    chain = Chain(address)
+    chain = Chain(address, worker_logs)
     try:
         for name, out in done.items():
             chain.stage(out, work[name])
@@ -285,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.where:
             print(keyed_outputs(job)[0][args.where].location.uri)
             return 0
-        return run_chain(job, args.until, args.address)
+        return run_chain(job, args.until, args.address, args.worker_logs)
     except (SpecError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

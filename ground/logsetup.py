@@ -12,8 +12,10 @@ records a second time. Our records still propagate, so pytest's log capture sees
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,3 +68,17 @@ def setup_logging(level: int = logging.INFO, propagate: bool = True, console: Co
         if not any(getattr(h, _MARK, False) for h in logger.handlers):
             handler = handler or _handler(console)  # one handler object shared by the packages
             logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """The root logger's handlers and level as they were, once the block ends: around an import of a library that
+    replaces them (``ray.serve.llm`` installs a JSON stream handler on the root logger when imported, and every
+    record of this process would print a second time, as JSON, after our packages' own line)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from ground.logsetup import setup_logging
+from ground.logsetup import root_logging_kept, setup_logging
 from ground.overrides import ConfigError, add_set_option, apply_overrides, build, parse_set
 from ground.ray_address import add_address_option
 from serve.config import (
@@ -197,6 +197,11 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    with root_logging_kept():
+        import serve.app
+    # Serve LLM's driver-side INFO (each deployment's options, pretty-printed) would fill the terminal between the
+    # job's stages and the smoke's completion; its warnings still show.
+    logging.getLogger("ray.serve.ray.llm").setLevel(logging.WARNING)
     try:
         built = app_args(args)
     except ConfigError as exc:

@@ -153,6 +153,10 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model(chai
             proc.wait()
     states = stage_states(log.read_text())
     assert [states[s] for s in ("curate", "train", "export", "eval", "serve")] == ["skipped"] * 4 + ["running"]
+    # The replicas' and vLLM's own output stays in the Ray session's logs (--worker-logs files, the default): none
+    # of Ray's forwarded lines, "(ServeReplica:raylm:... pid=N) ...", cuts into the job's output.
+    forwarded = re.findall(r"^.*\((?:ServeReplica|ServeController|ProxyActor)[^)]* pid=\d+\).*$", log.read_text(), re.M)
+    assert not forwarded, forwarded[:5]
     after = tree(root)
     # Nothing was rewritten but the lineage, which says the same.
     changed = {name for name in before if after[name] != before[name]}
