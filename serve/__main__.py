@@ -9,6 +9,7 @@ a config file with ``serve run serve/serve_config.yaml`` (or ``serve deploy`` to
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -197,8 +198,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
-    with root_logging_kept():
-        import serve.app
+    with root_logging_kept():  # ray.serve.llm, imported here once, replaces the root logger's handlers
+        importlib.import_module("serve.app")
     # Serve LLM's driver-side INFO (each deployment's options, pretty-printed) would fill the terminal between the
     # job's stages and the smoke's completion; its warnings still show.
     logging.getLogger("ray.serve.ray.llm").setLevel(logging.WARNING)
