@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import PipelineInputError
-from pipeline.schema import RECORD_FIELDS, DocumentSchemas
+from pipeline.schema import DECISION_FIELDS, DEDUP_FIELDS, RECORD_FIELDS, TEXT_FIELD, WORK_FIELDS, DocumentSchemas
 from pipeline.steps.base import Step
 from pipeline.steps.decontaminate import Decontaminate
 from pipeline.steps.language import LanguageFilter
@@ -120,7 +120,9 @@ def _cached_added(entries_json: str) -> tuple[tuple[type[Step], BaseModel | None
 def _plan(entries_json: str, builtin_configs: Sequence[BaseModel]) -> StagePlan:
     steps: list[type[Step]] = list(BUILTIN_STEPS)
     configs: list[BaseModel | None] = list(builtin_configs)
-    columns = {f.name for f in RECORD_FIELDS} | {f.name for step in steps for f in step.columns}
+    # Every column a document carries already: the record's, the built-in steps', the decision, text, work, keys.
+    fixed = (*RECORD_FIELDS, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS, *DEDUP_FIELDS)
+    columns = {f.name for f in fixed} | {f.name for step in steps for f in step.columns}
     for i, (step, step_config, after) in enumerate(_cached_added(entries_json)):
         where = f"steps[{i}]"
         names = [EXTRACT[0], *(s.name for s in steps)]
@@ -132,7 +134,7 @@ def _plan(entries_json: str, builtin_configs: Sequence[BaseModel]) -> StagePlan:
                 "tokenize are passes of their own, after every filter step"
             )
         for field in step.columns:
-            if field.name in columns or field.name in ("stage", "reason", "duplicate_of", "text", "split"):
+            if field.name in columns:
                 raise PipelineInputError(f"{where}.use: {step.__name__} adds column {field.name!r}, already taken")
             columns.add(field.name)
         at = names.index(after)  # names[0] is extract, which is not in steps: after it is position 0

@@ -59,6 +59,13 @@ class NotAStep:
     name = "not_a_step"
 
 
+class KeyShadowing(LongPages):
+    """Would write over the MinHash signature the dedup pass reads."""
+
+    name = "key_shadowing"
+    columns = (pa.field("signature", pa.binary()),)
+
+
 def added(**entry) -> dict:
     return {"steps": [{"use": f"{__name__}:LongPages", "after": "quality", "config": {"max_chars": MAX_CHARS}} | entry]}
 
@@ -109,6 +116,7 @@ def test_a_step_from_a_test_module_runs_through_the_executor(tmp_path):
         ({"config": {"max_chars": 0}}, "steps[0].config: invalid for"),
         ({"config": {"max_char": 10}}, "max_char: Extra inputs are not permitted"),
         ({"use": "pipeline.steps.quality:QualityFilter", "config": {}}, "name 'quality' is already a stage"),
+        ({"use": f"{__name__}:KeyShadowing"}, "adds column 'signature', already taken"),
     ],
 )
 def test_a_bad_added_step_is_refused_naming_the_entry(entry, message):
