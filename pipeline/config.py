@@ -77,5 +77,6 @@ def load_config(path: str | Path | None, overrides: Mapping[str, Any] | None = N
     try:
         config.stage_plan()  # the steps it adds import, fit in, and take their config
     except PipelineInputError as err:
-        raise PipelineInputError(f"invalid pipeline config {path or ''}: {err}".replace("config :", "config:")) from err
+        where = f" {path}" if path is not None else ""
+        raise PipelineInputError(f"invalid pipeline config{where}: {err}") from err
     return config

@@ -39,16 +39,11 @@ DEDUP_FIELDS = [
 
 @dataclass(frozen=True)
 class DocumentSchemas:
-    """The schemas of one run's documents, given the columns its filter steps add (``Step.columns``, in stage
-    order: the built-in steps' rule signals, classifier score, perplexity and its bucket, contamination, PII
-    counts, and any step a config adds)."""
+    """The schemas of one run's documents, given the columns its filter steps add (``Step.columns``: the built-in
+    steps' rule signals, classifier score, perplexity and its bucket, contamination and PII counts, in stage order,
+    then the columns of the steps a config adds; ``StagePlan.schemas``)."""
 
     step_fields: tuple[pa.Field, ...]
-
-    @property
-    def doc(self) -> pa.Schema:
-        """A row as the steps see it."""
-        return pa.schema([*RECORD_FIELDS, *self.step_fields, *DECISION_FIELDS, TEXT_FIELD, *WORK_FIELDS])
 
     @property
     def filtered(self) -> pa.Schema:
