@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--where",
         choices=STAGES[1:-1],
         help="print the directory this spec's STAGE writes (whether or not it has run) and exit, e.g. "
-        "--data $(python -m cluster.run JOB.yaml --where curate)",
+        "--data $(python -m cluster.run JOB.yaml --where curate); a mixture's curate prints one per source, in order",
     )
     parser.add_argument(
         "--worker-logs",
@@ -96,22 +97,31 @@ def stage_errors() -> tuple[type[BaseException], ...]:
     )  # fmt: skip
 
 
-def keyed_outputs(job: Job) -> tuple[dict[str, StageOutput], Any]:
-    """Where each stage of the spec writes, from its config and the keys upstream: known before anything runs (and
-    without Ray), so ``--where`` can print it. Also returns the pipeline's gathered inputs, for the curate stage."""
+@dataclass
+class KeyedChain:
+    """Where each stage of a spec writes, from its config and the keys upstream: known before anything runs (and
+    without Ray), so ``--where`` can print it."""
+
+    curated: list[StageOutput]  # one curation per data source (one, or each source of a mixture), in spec order
+    gathered: list[Any]  # each curation's gathered inputs (pipeline.run_inputs), which its run reuses
+    later: dict[str, StageOutput]  # train, export, eval
+
+    def where(self, stage: str) -> list[str]:
+        return [out.location.uri for out in self.curated] if stage == "curate" else [self.later[stage].location.uri]
+
+
+def keyed_outputs(job: Job) -> KeyedChain:
     root = Location(job.spec.root)
-    outputs: dict[str, StageOutput] = {}
-
-    def add(name: str, material: dict[str, Any]) -> StageOutput:
-        outputs[name] = keyed(root, name, material)
-        return outputs[name]
-
-    material, gathered = curate_material(job)
-    curated = add("curate", material)
-    trained = add("train", train_material(job, curated))
-    exported = add("export", export_material(trained))
-    add("eval", eval_material(job, curated, exported))
-    return outputs, gathered
+    curated: list[StageOutput] = []
+    gathered = []
+    for source in job.sources:
+        material, inputs = curate_material(job, source, tokenizer_of=curated[0] if curated else None)
+        curated.append(keyed(root, "curate", material, part=source.name if job.is_mixture else None))
+        gathered.append(inputs)
+    trained = keyed(root, "train", train_material(job, curated))
+    exported = keyed(root, "export", export_material(trained))
+    evaluated = keyed(root, "eval", eval_material(job, curated[0], exported))
+    return KeyedChain(curated, gathered, {"train": trained, "export": exported, "eval": evaluated})
 
 
 class Chain:
@@ -143,26 +153,27 @@ class Chain:
     def stage(self, out: StageOutput, work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]) -> None:
         """Skip ``out`` if it is done and verifies; else run ``work(location, resume)`` and record it."""
         name, location = out.name, out.location
+        part = f"{out.part}: " if out.part else ""  # a mixture's source
         record, problem = verified(location)
         if record is not None:
             out.record = record
-            say(name, "skipped", f"{location} (done {record['finished']}, verified)")
+            say(name, "skipped", f"{part}{location} (done {record['finished']}, verified)")
             return
         if problem is not None:
             # A finished output that no longer verifies is not trusted in part either: it is redone from scratch.
-            say(name, "redoing", f"{location}: {problem}")
+            say(name, "redoing", f"{part}{location}: {problem}")
             discard(location, MARKER)
         resume = location.exists() and not location.is_empty()
-        say(name, "resuming" if resume else "running", str(location))
+        say(name, "resuming" if resume else "running", f"{part}{location}")
         self.ensure_ray()
         started = time.time()
         try:
             proof, result = work(location, resume)
         except stage_errors() as exc:
-            say(name, "failed", f"{location}: its work so far is kept; run the job again to continue")
-            raise StageFailed(f"{name}: {exc}") from exc
+            say(name, "failed", f"{part}{location}: its work so far is kept; run the job again to continue")
+            raise StageFailed(f"{name}: {part}{exc}") from exc
         finish(out, proof, result, started, time.time())
-        say(name, "done", f"in {out.record['seconds']:.1f} s")
+        say(name, "done", f"{part}in {out.record['seconds']:.1f} s")
 
     def shutdown(self) -> None:
         if self.started_ray:
@@ -176,25 +187,32 @@ def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str
     say("plan", *plan_verdict(job))
     if last == 0:
         return 0
-    outputs, gathered = keyed_outputs(job)
-    curated, trained, exported = (outputs[s] for s in ("curate", "train", "export"))
+    keyed = keyed_outputs(job)
+    curated, later = keyed.curated, keyed.later
+    trained, exported = later["train"], later["export"]
     work: dict[str, Callable[[Location, bool], tuple[list[str], dict[str, Any]]]] = {
-        "curate": lambda out, resume: run_curate(job, out, gathered, resume),
         "train": lambda out, resume: run_train(job, out, curated, resume),
         "export": lambda out, resume: run_export(out, trained),
-        "eval": lambda out, resume: run_eval(job, out, curated, exported),
+        "eval": lambda out, resume: run_eval(job, out, curated[0], exported),
     }
-    done = {name: outputs[name] for name in STAGES[1 : min(last, STAGES.index("eval")) + 1]}
+    done = [name for name in STAGES[1 : min(last, STAGES.index("eval")) + 1]]
     chain = Chain(address, worker_logs)
     try:
-        for name, out in done.items():
-            chain.stage(out, work[name])
+        for i, (source, out) in enumerate(zip(job.sources, curated, strict=True)):
+            tokenizer_of = curated[0] if i else None
+
+            def curate(location: Location, resume: bool, i: int = i, source=source, tokenizer_of=tokenizer_of):
+                return run_curate(job, source, location, keyed.gathered[i], resume, tokenizer_of)
+
+            chain.stage(out, curate)
+        for name in done[1:]:
+            chain.stage(later[name], work[name])
         root = Location(job.spec.root)
-        lineage = write_lineage(job, root, done)
+        lineage = write_lineage(job, root, curated, {name: later[name] for name in done[1:]})
         say("lineage", "written", f"{root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
         if until == "serve":
             chain.ensure_ray()  # this job's Ray, also when every stage before was skipped
-            return serve_stage(job, done, lineage["model_id"])
+            return serve_stage(job, later, lineage["model_id"])
         return 0
     finally:
         chain.shutdown()
@@ -205,12 +223,22 @@ def served_model_id(job: Job, exported: StageOutput) -> str:
     return str(job.spec.serve.get("name") or f"raylm-{exported.key[:12]}")
 
 
-def write_lineage(job: Job, root: Location, outputs: dict[str, StageOutput]) -> dict[str, Any]:
-    curated = outputs["curate"]
-    manifest = curated.location.join("manifest.json").read_json()
-    digest = curated.record["files"]["manifest.json"]
-    data = {"dir": curated.location.uri, "key": curated.key, "manifest_sha256": digest}
-    lineage: dict[str, Any] = {"spec": job.source, "inputs": manifest["sources"], "data": data}
+def write_lineage(
+    job: Job, root: Location, curated: list[StageOutput], outputs: dict[str, StageOutput]
+) -> dict[str, Any]:
+    inputs, data = [], []
+    for source, out in zip(job.sources, curated, strict=True):
+        manifest = out.location.join("manifest.json").read_json()
+        entry = {"dir": out.location.uri, "key": out.key, "manifest_sha256": out.record["files"]["manifest.json"]}
+        if job.is_mixture:
+            entry = {"name": source.name, "weight": source.weight, **entry}
+            inputs += [{"source": source.name, **read} for read in manifest["sources"]]
+        else:
+            inputs += manifest["sources"]
+        data.append(entry)
+    # One curation: its output. A mixture: each source's, in the spec's order (the first gave the tokenizer).
+    lineage: dict[str, Any] = {"spec": job.source, "inputs": inputs, "data": {"mixture": data} if job.is_mixture
+                               else data[0]}  # fmt: skip
     if "train" in outputs:
         trained = outputs["train"]
         final = trained.location.join("final", "final.json").read_json()
@@ -299,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.spec, parse_set(args.set))
         if args.where:
-            print(keyed_outputs(job)[0][args.where].location.uri)
+            print("\n".join(keyed_outputs(job).where(args.where)))  # a mixture's curations: one line each
             return 0
         return run_chain(job, args.until, args.address, args.worker_logs)
     except (SpecError, ConfigError) as exc:

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,36 @@ class _StageSection(BaseModel):
         return apply_overrides(merged, dotted_keys(self.model_extra or {}))
 
 
-class DataSection(_StageSection):
+class _Inputs(BaseModel):
     inputs: str | None = Field(None, description="as `python -m pipeline run --input`: a dir, file, glob or URI")
     input_list: str | None = Field(None, description="as --input-list: a file of input URIs, one per line")
     base_url: str | None = Field(None, description="as --base-url: the prefix of relative entries in input_list")
+
+
+class MixtureSourceSection(_Inputs, _Strict):
+    """One source of a data mixture: its inputs, curated with the section's pipeline config, and its weight."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the source's name in the mixture")
+    weight: float = Field(gt=0, description="its share of each training step's sequences, relative to the others'")
+
+
+class DataSection(_Inputs, _StageSection):
+    # A mixture: each source is curated on its own (a run of the pipeline, keyed like any stage), all with the first
+    # source's tokenizer (a model has one embedding table), and training mixes them at these weights (train.mixture).
+    sources: list[MixtureSourceSection] = Field(
+        default_factory=list, description="a mixture of sources instead of inputs: name, inputs, weight each"
+    )
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What one curation reads: the spec's inputs, or one source of its mixture (``weight`` None: no mixture)."""
+
+    name: str
+    inputs: str | None
+    input_list: str | None
+    base_url: str | None
+    weight: float | None = None
 
 
 class TrainSection(_StageSection):
@@ -93,8 +120,7 @@ class Job:
         self.spec = spec
         self.source = source
         self.pipeline = _validated(PipelineConfig, spec.data.stage_keys(), "data", source)
-        if not (spec.data.inputs or spec.data.input_list):
-            raise SpecError(f"{source}: data.inputs: give the inputs (a dir, file, glob or URI) or data.input_list")
+        self.sources = data_sources(spec.data, source)
         train_keys = spec.train.stage_keys()
         for dotted in TRAIN_KEYS_SET_BY_THE_JOB:
             if _has(train_keys, dotted):
@@ -105,9 +131,36 @@ class Job:
         if price is not None and not _has(train_keys, "cost.usd_per_gpu_hour"):
             train_keys = apply_overrides(train_keys, {"cost.usd_per_gpu_hour": price})
         self.train = _validated(TrainConfig, train_keys, "train", source)
+        if self.is_mixture:  # the mixture's own checks (e.g. a batch too small to mix), before anything runs
+            mixture = [{"name": s.name, "path": s.name, "weight": s.weight} for s in self.sources]
+            _validated(TrainConfig, apply_overrides(train_keys, {"data.mixture": mixture}), "train", source)
         self.serve_argv = serve_argv(spec.serve, source)
         if price is not None and not any(item.startswith("cost.usd_per_gpu_hour=") for item in self.serve_argv):
             self.serve_argv += ["--set", f"cost.usd_per_gpu_hour={price}"]
+
+    @property
+    def is_mixture(self) -> bool:
+        return bool(self.spec.data.sources)
+
+
+def data_sources(data: DataSection, source: str) -> list[DataSource]:
+    """The curations a spec asks for: its inputs, or each source of its mixture (names unique, no inputs beside)."""
+    if not data.sources:
+        if not (data.inputs or data.input_list):
+            raise SpecError(
+                f"{source}: data.inputs: give the inputs (a dir, file, glob or URI), data.input_list, or data.sources"
+            )
+        return [DataSource("data", data.inputs, data.input_list, data.base_url)]
+    beside = [key for key in ("inputs", "input_list", "base_url") if getattr(data, key) is not None]
+    if beside:
+        raise SpecError(f"{source}: data.{beside[0]}: a mixture's inputs are in data.sources; give them there")
+    names = [s.name for s in data.sources]
+    for i, s in enumerate(data.sources):
+        if names.index(s.name) != i:
+            raise SpecError(f"{source}: data.sources[{i}].name: {s.name!r} names two sources")
+        if not (s.inputs or s.input_list):
+            raise SpecError(f"{source}: data.sources[{i}].inputs: give the source's inputs or its input_list")
+    return [DataSource(s.name, s.inputs, s.input_list, s.base_url, s.weight) for s in data.sources]
 
 
 def load_job(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Job:

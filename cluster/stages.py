@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.run_spec import Job
+from cluster.run_spec import DataSource, Job
 from ground.hashing import sha256_json, sha256_stream
 from ground.logsetup import stderr_console
 from ground.storage import Location, is_published, publish
 
 MARKER = "stage.json"
+TOKENIZER = "tokenizer.json"  # in a pipeline output (docs/formats.md)
 KEY_CHARS = 16  # of the sha256: a directory name that reads; 64 bits of it make a collision among a root's runs moot
 
 
@@ -38,12 +39,13 @@ class StageOutput:
     location: Location
     material: dict[str, Any]  # what the key hashes: the stage's effective config and the keys of what it reads
     record: dict[str, Any] = field(default_factory=dict)
+    part: str | None = None  # which of the stage's outputs, where it has several (a mixture's source): for the report
 
 
-def keyed(root: Location, name: str, material: dict[str, Any]) -> StageOutput:
+def keyed(root: Location, name: str, material: dict[str, Any], part: str | None = None) -> StageOutput:
     """The stage's output, at ``root/<name>/<key>`` where the key hashes ``material``."""
     key = sha256_json({"stage": name, **material})
-    return StageOutput(name, key, root.join(name, key[:KEY_CHARS]), material)
+    return StageOutput(name, key, root.join(name, key[:KEY_CHARS]), material, part=part)
 
 
 def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
@@ -108,31 +110,45 @@ def _iso(epoch: float) -> str:
 # ---- the stages' work: each takes the job, its output and the outputs it reads ----
 
 
-def curate_material(job: Job) -> tuple[dict[str, Any], Any]:
-    """The curate key's material (the pipeline's own run identity: config, inputs with sizes, resource hashes) and
-    the gathered inputs, which the run then reuses instead of listing them again."""
+def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | None) -> tuple[dict[str, Any], Any]:
+    """The curate key's material for one source (the pipeline's own run identity: config, inputs with sizes, resource
+    hashes; for a mixture's later sources, the key of the first, whose tokenizer they load) and the gathered inputs,
+    which the run then reuses instead of listing them again."""
     from pipeline.run_inputs import gather_inputs
 
-    data = job.spec.data
-    gathered = gather_inputs(data.inputs, job.pipeline, input_list=data.input_list, base_url=data.base_url)
-    return {"pipeline": gathered.identity(job.pipeline)}, gathered
+    gathered = gather_inputs(source.inputs, job.pipeline, input_list=source.input_list, base_url=source.base_url)
+    material: dict[str, Any] = {"pipeline": gathered.identity(job.pipeline)}
+    if tokenizer_of is not None:
+        # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
+        material["tokenizer_of"] = tokenizer_of.key
+    return material, gathered
 
 
-def run_curate(job: Job, out: Location, gathered: Any, resume: bool) -> tuple[list[str], dict[str, Any]]:
+def source_config(job: Job, tokenizer_of: StageOutput | None) -> Any:
+    """The pipeline config one source runs with: the spec's, loading the first source's tokenizer for the others
+    (unless the spec names a tokenizer of its own, which every source then loads)."""
+    if tokenizer_of is None or job.pipeline.tokenize.tokenizer_path:
+        return job.pipeline
+    tokenize = job.pipeline.tokenize.model_copy(update={"tokenizer_path": tokenizer_of.location.join(TOKENIZER).uri})
+    return job.pipeline.model_copy(update={"tokenize": tokenize})
+
+
+def run_curate(
+    job: Job, source: DataSource, out: Location, gathered: Any, resume: bool, tokenizer_of: StageOutput | None
+) -> tuple[list[str], dict[str, Any]]:
     from pipeline.executor import PipelineRun
 
     if is_published(out, "manifest.json"):  # finished, and the job was stopped before it recorded the stage
         report = out.join("report.json").read_json()
     else:
-        data = job.spec.data
         report = PipelineRun(
-            data.inputs, out.uri, job.pipeline, console=stderr_console(), input_list=data.input_list,
-            base_url=data.base_url, resume=resume, prepared=gathered,
+            source.inputs, out.uri, source_config(job, tokenizer_of), console=stderr_console(),
+            input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=gathered,
         ).run()  # fmt: skip
     return ["manifest.json"], {"input": report["input"], "output": report["output"]}
 
 
-def train_material(job: Job, curated: StageOutput) -> dict[str, Any]:
+def train_material(job: Job, curated: list[StageOutput]) -> dict[str, Any]:
     config = job.train.to_dict()
     for key in ("data_dir", "output_dir"):
         config.pop(key, None)
@@ -143,10 +159,12 @@ def train_material(job: Job, curated: StageOutput) -> dict[str, Any]:
         config.pop(section, None)
     for key in ("tracker", "tracker_project", "tracker_uri"):
         config["metrics"].pop(key, None)
-    return {"train": config, "data": curated.key}
+    if not job.is_mixture:
+        return {"train": config, "data": curated[0].key}
+    return {"train": config, "data": [[s.name, out.key, s.weight] for s, out in zip(job.sources, curated, strict=True)]}
 
 
-def run_train(job: Job, out: Location, curated: StageOutput, resume: bool) -> tuple[list[str], dict[str, Any]]:
+def run_train(job: Job, out: Location, curated: list[StageOutput], resume: bool) -> tuple[list[str], dict[str, Any]]:
     from train.config import config_from_dict
     from train.launch import launch
 
@@ -154,7 +172,12 @@ def run_train(job: Job, out: Location, curated: StageOutput, resume: bool) -> tu
     if all(out.join(name).is_file() for name in proof):  # finished, and the job was stopped before recording it
         return proof, out.join("summary.json").read_json()
     config = job.train.to_dict()
-    config["data_dir"] = curated.location.uri
+    config["data_dir"] = curated[0].location.uri  # a mixture's first source: the tokenizer the export copies
+    if job.is_mixture:
+        config["data"]["mixture"] = [
+            {"name": s.name, "path": c.location.uri, "weight": s.weight}
+            for s, c in zip(job.sources, curated, strict=True)
+        ]
     config["output_dir"] = out.uri
     config["checkpoint"]["resume"] = resume
     return proof, launch(config_from_dict(config))

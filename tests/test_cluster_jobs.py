@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, SAMPLE
 
 from cluster.trainer_memory import predict_trainer_state_bytes
 from ground.dist import free_port
@@ -103,14 +104,32 @@ def submit_job(address: str, env: dict, root: Path, spec: str, *args: str) -> st
 def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     address, env = head
     root = tmp_path / "root"
-    # The shipped demo spec, smaller: its relative paths (inputs, base configs) resolve inside the uploaded checkout.
+    # The shipped mixture demo spec, smaller: its relative paths (inputs, base configs) resolve inside the uploaded
+    # checkout. Two sources (the sample's WET and its HTML files), each curated by its own pipeline run, mixed 3:1.
     overrides = ["--set", "train.steps=4", "--set", "train.parallel.strategy=fsdp", "--set", "train.parallel.workers=2"]
-    stdout = submit_job(address, env, root, "cluster/jobs/demo.yaml", "--until", "train", *overrides)
+    stdout = submit_job(address, env, root, "cluster/jobs/demo_mixture.yaml", "--until", "train", *overrides)
     assert "[train  ] done" in stdout
+    assert re.search(r"^\[curate\s*\] done\s+wet: in ", stdout, re.M) and re.search(
+        r"^\[curate\s*\] done\s+html: in ", stdout, re.M
+    )
     lineage = json.loads((root / "lineage.json").read_text())
-    data, run = Path(lineage["data"]["dir"]), Path(lineage["train"]["run_dir"])
-    manifest = json.loads((data / "manifest.json").read_text())
-    assert sum(s["tokens"] for s in manifest["shards"]) > 10_000
+    sources = lineage["data"]["mixture"]
+    assert [(s["name"], s["weight"]) for s in sources] == [("wet", 3), ("html", 1)]
+    manifests = [json.loads((Path(s["dir"]) / "manifest.json").read_text()) for s in sources]
+    # Each source read its own files, and the second loaded the first's tokenizer: one vocabulary for the model.
+    read = {s["name"]: {Path(i["path"]).name for i in lineage["inputs"] if i["source"] == s["name"]} for s in sources}
+    assert read == {
+        "wet": {p.name for p in SAMPLE.glob("*.wet.gz")},
+        "html": {p.name for p in SAMPLE.glob("*.warc.gz")},
+    }
+    assert manifests[0]["tokenizer"]["sha256"] == manifests[1]["tokenizer"]["sha256"]
+    assert all(sum(s["tokens"] for s in m["shards"]) > 1_000 for m in manifests)
+    run = Path(lineage["train"]["run_dir"])
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert [(m["name"], m["path"], m["weight"]) for m in config["data"]["mixture"]] == [
+        (s["name"], s["dir"], s["weight"]) for s in sources
+    ]
+    manifest = manifests[0]  # the tokenizer's source, whose vocabulary the model has
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "loss" in m]
     assert sorted({m["step"] for m in steps}) == [0, 1, 2, 3] and steps[-1]["world_size"] == 2

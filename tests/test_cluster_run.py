@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import openai
+import psutil
 import pytest
 import requests
 import yaml
@@ -43,6 +49,16 @@ SPEC: dict[str, Any] = {
         "metrics": {"progress": False},
     },
     "eval": {"items": 4},
+}
+
+
+# The sample as a mixture of two sources (cluster/jobs/demo_mixture.yaml's; run end to end in test_cluster_jobs.py).
+MIXTURE: dict[str, Any] = {
+    "base": "pipeline/configs/demo.yaml",
+    "sources": [
+        {"name": "wet", "inputs": str(SAMPLE / "*.wet.gz"), "weight": 3},
+        {"name": "html", "inputs": str(SAMPLE / "*.warc.gz"), "weight": 1},
+    ],
 }
 
 
@@ -126,36 +142,102 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(
     assert material["train"]["steps"] == STEPS and material["data"] == lineage["data"]["key"]
 
 
+def lines_of(stream: Any, into: queue.Queue) -> None:
+    for line in stream:
+        into.put(line)
+    into.put(None)
+
+
+def stream_completion(base: str, model: str, first_chunk: threading.Event) -> list:
+    """A streamed completion of 100 tokens through the openai SDK (which raises on an SSE error event); its chunks."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = []
+    stream = client.completions.create(
+        model=model, prompt="The library", max_tokens=100, stream=True, extra_body={"ignore_eos": True}
+    )
+    for chunk in stream:
+        chunks.append(chunk)
+        first_chunk.set()
+    return chunks
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    running = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                running.append(f"{p.pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
 @pytest.mark.ray
-def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model(chain: dict[str, Any]) -> None:
+def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_the_demo_does(
+    chain: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every stage verified and skipped, then the serve stage as `make demo` runs it in a terminal (``serve.smoke``,
+    a pty on stdin): one streamed completion, one canary run over the eval stage's set, where to look; then it keeps
+    serving the lineage's model id until SIGTERM (what ``ray job stop`` sends), drains the streams in flight, and
+    exits 0, leaving no Ray or vLLM process behind."""
     root = chain["root"]
     before = tree(root)
     port = free_port()
-    log = root.parent / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cli(chain["spec"], "--set", f"serve.port={port}", "--set", "serve.enforce_eager=true"),
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    settings = {"port": port, "enforce_eager": "true", "smoke": "true", "smoke_prompt": "The library",
+                "shutdown_timeout": 60, "canary_interval": 60, "metrics_sd_dir": tmp_path / "sd"}  # fmt: skip
+    terminal, tty = pty.openpty()  # a terminal on stdin: after the smoke it keeps serving, as in the README's demo
+    proc = subprocess.Popen(
+        cli(chain["spec"], *[arg for key, value in settings.items() for arg in ("--set", f"serve.{key}={value}")]),
+        cwd=REPO, stdin=tty, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    os.close(tty)
+    output: queue.Queue = queue.Queue()
+    printed: list[str] = []
+    threading.Thread(target=lines_of, args=(proc.stdout, output), daemon=True).start()
+    model = chain["lineage"]["model_id"]
     try:
-        deadline = time.monotonic() + 300
-        while '"endpoint"' not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-5000:]
-            assert time.monotonic() < deadline, "no endpoint line in 300 s"
-            time.sleep(0.5)
-        models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [chain["lineage"]["model_id"]]
-        proc.send_signal(signal.SIGTERM)  # drains and stops, as `ray job stop` would
-        assert proc.wait(timeout=120) == 0, log.read_text()[-5000:]
+        while (line := output.get(timeout=300)) is not None and line != "serving; Ctrl-C to stop\n":
+            printed.append(line)
+        assert line is not None, "".join(printed)[-5000:]
+        # Everything it started: its local Ray's daemons and workers, the replicas, vLLM's engine core.
+        processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        names = " ".join(" ".join([p.name(), *p.cmdline()]) for p in processes)
+        assert "raylet" in names and "gcs_server" in names and "EngineCore" in names, names
+        base = f"http://127.0.0.1:{port}"
+        assert [m["id"] for m in requests.get(f"{base}/v1/models", timeout=30).json()["data"]] == [model]
+        # Two streams in flight, then SIGTERM: both run to their end, and the job exits 0 by itself.
+        started = [threading.Event(), threading.Event()]
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream_completion, base, model, event) for event in started]
+            assert all(event.wait(60) for event in started)
+            proc.send_signal(signal.SIGTERM)
+            for stream in streams:
+                chunks = stream.result(timeout=120)
+                assert chunks[-1].choices[0].finish_reason == "length", chunks  # every one of its 100 tokens came
+        assert proc.wait(timeout=120) == 0, "".join(printed)[-5000:]
+        while (line := output.get(timeout=30)) is not None:
+            printed.append(line)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    states = stage_states(log.read_text())
+        os.close(terminal)
+    log = "".join(printed)
+    states = stage_states(log)
     assert [states[s] for s in ("curate", "train", "export", "eval", "serve")] == ["skipped"] * 4 + ["running"]
+    assert "SIGTERM: draining for up to 60 s" in log and re.search(r"drained [0-2], aborted 0, in \d+\.\d s", log), log
+    assert "SIGTERM received" not in log and "*** " not in log, log[-4000:]  # Ray's abort handler did not run
+    assert "--- streamed completion for 'The library' ---\nThe library" in log, log
+    # The canary ran and scored every item of the eval stage's set, against the lineage it read from the endpoint.
+    items = len((Path(chain["lineage"]["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").read_text().splitlines())
+    canary = rf"canary \S+: score -?\d+\.\d{{3}} nats/token \({items}/{items} items, lineage [0-9a-f]{{12}}\)"
+    assert re.search(canary, log), log
+    assert f"endpoint:   {base}/v1/completions" in log and "metrics:    http://" in log, log
+    assert "dashboard:  " in log and "raylm-serving.json" in log and "prometheus: prometheus --config.file=" in log
+    assert alive(processes) == []  # its own local Ray went with it, and so did its vLLM engine
     # The replicas' and vLLM's own output stays in the Ray session's logs (--worker-logs files, the default): none
     # of Ray's forwarded lines, "(ServeReplica:raylm:... pid=N) ...", cuts into the job's output.
-    forwarded = re.findall(r"^.*\((?:ServeReplica|ServeController|ProxyActor)[^)]* pid=\d+\).*$", log.read_text(), re.M)
+    forwarded = re.findall(r"^.*\((?:ServeReplica|ServeController|ProxyActor)[^)]* pid=\d+\).*$", log, re.M)
     assert not forwarded, forwarded[:5]
     after = tree(root)
     # Nothing was rewritten but the lineage, which says the same.
@@ -289,6 +371,16 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, **se
         ([], {"serve": {"model": "x"}}, "serve.model: set by the job"),
         (["--set", "evaluation.items=3"], {}, "evaluation: unknown key"),
         ([], {"data": {"base": "pipeline/configs/demo.yaml"}}, "data.inputs"),
+        ([], {"data": {**MIXTURE, "inputs": str(SAMPLE)}}, "data.inputs: a mixture's inputs are in data.sources"),
+        ([], {"data": {"sources": [MIXTURE["sources"][0]] * 2}}, "data.sources[1].name: 'wet' names two sources"),
+        ([], {"data": {"sources": [{"name": "wet", "weight": 1}]}}, "data.sources[0].inputs"),
+        ([], {"data": {"sources": [{"name": "a b", "inputs": "x", "weight": 1}]}}, "data.sources.0.name"),
+        ([], {"data": {"sources": [{"name": "wet", "inputs": "x", "weight": 0}]}}, "data.sources.0.weight"),
+        (
+            ["--set", "train.data.global_batch_size=1", "--set", "train.data.micro_batch_size=1"],
+            {"data": MIXTURE},
+            "global_batch_size 1 is too small to mix 2 sources",
+        ),
     ],
 )
 def test_a_spec_with_a_bad_key_is_refused_naming_it(
@@ -325,3 +417,27 @@ def test_a_spec_that_fits_is_planned(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([str(spec), "--until", "plan"]) == 0
     assert re.search(r"^\[plan\s*\] done\s+[\d.]+M parameters on 1 × A10G", capsys.readouterr().out, re.MULTILINE)
     assert not (tmp_path / "root").exists()
+
+
+def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sources_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def where(stage: str, data: dict[str, Any]) -> list[str]:
+        spec = write_spec(tmp_path / "job.yaml", str(tmp_path / "root"), data=data)
+        assert main([str(spec), "--where", stage]) == 0
+        return capsys.readouterr().out.split()
+
+    curated = where("curate", MIXTURE)
+    assert len(set(curated)) == 2 and all(Path(d).parent == tmp_path / "root" / "curate" for d in curated)
+    trained = where("train", MIXTURE)
+    # Another weight: the same curations, another training run.
+    reweighted = {**MIXTURE, "sources": [MIXTURE["sources"][0], {**MIXTURE["sources"][1], "weight": 2}]}
+    assert where("curate", reweighted) == curated and where("train", reweighted) != trained
+    # The first source's inputs changed: its tokenizer may differ, so the second source's curation is another one.
+    first = {**MIXTURE["sources"][0], "inputs": str(SAMPLE / "cc_en_head-*.wet.gz")}
+    changed = where("curate", {**MIXTURE, "sources": [first, MIXTURE["sources"][1]]})
+    assert changed[0] != curated[0] and changed[1] != curated[1]
+    # The second source's inputs changed: the first's curation is the same one.
+    second = {**MIXTURE["sources"][1], "inputs": str(SAMPLE / "sample-0000.warc.gz")}
+    changed = where("curate", {**MIXTURE, "sources": [MIXTURE["sources"][0], second]})
+    assert changed[0] == curated[0] and changed[1] != curated[1]

@@ -56,3 +56,15 @@ def test_loading_a_tokenizer_without_eot_is_refused(tmp_path, ccnet_texts):
     tok.save(str(path))
     with pytest.raises(ValueError, match="no '<\\|endoftext\\|>' token"):
         load_tokenizer(path)
+
+
+def test_a_tokenizer_is_loaded_from_another_runs_output_in_a_bucket(tokenizer, monkeypatch):
+    # A mixture's later sources load the first source's tokenizer.json where the job wrote it: in object storage
+    # when its root is a bucket.
+    from remote_servers import make_bucket, moto_server, use_s3_endpoint
+
+    with moto_server() as endpoint:
+        use_s3_endpoint(monkeypatch, endpoint)
+        make_bucket(endpoint, "runs").put_object(Bucket="runs", Key="curate/k/tokenizer.json", Body=tokenizer.to_str())
+        loaded = load_tokenizer("s3://runs/curate/k/tokenizer.json")
+    assert loaded.to_str() == tokenizer.to_str() and loaded.token_to_id(EOT) == 0

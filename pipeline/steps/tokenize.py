@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ground.formats import EOT
+from ground.storage import Location
 from pipeline.steps.base import Doc, Step
 
 
@@ -22,7 +23,8 @@ class TokenizeConfig(BaseModel):
     min_frequency: int = Field(2, ge=1)
     # Train on the first documents up to this many characters (in output order); enough for a stable BPE.
     train_max_chars: int = Field(1_000_000_000, ge=1)
-    # Load this tokenizer.json instead of training one; it must contain the EOT token.
+    # Load this tokenizer.json (a path or a URI: another run's output) instead of training one; it must contain the
+    # EOT token. Sources that a training run mixes must share one tokenizer: each names the first's.
     tokenizer_path: str | None = None
     val_fraction: float = Field(0.01, ge=0.0, lt=1.0)
     split_seed: int = 0
@@ -46,7 +48,7 @@ def train_tokenizer(texts: Iterable[str], config: TokenizeConfig) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = Tokenizer.from_str(Location(path).read_text())
     if tokenizer.token_to_id(EOT) is None:
         raise ValueError(f"{path}: tokenizer has no {EOT!r} token to end documents with")
     return tokenizer
