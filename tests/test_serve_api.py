@@ -3,14 +3,18 @@ raw HTTP.
 
 One module-scoped app (one Ray start, one vLLM engine in eager mode): the untrained 4-layer, 1024-context GPT of
 ``long_context_export``, served through ``serve.app.build_app`` with both deployments wrapped by test-only
-subclasses that fail on demand (a marker model name makes the ingress raise; a marker seed makes the engine fail
-before or in the middle of a stream), so that 500s can be provoked without any switch in production code.
+subclasses that fail or hold on demand (a marker model name makes the ingress raise; a marker seed makes the engine
+fail before or in the middle of a stream, or hold a stream after its first event until the test lets it go), so that
+500s and requests in flight can be provoked without any switch in production code.
 
 Covered here: /health and /v1/models with the lineage; the SDK's completions, streaming, chat and chat streaming,
 n > 1, lists of prompts, token-id prompts, logprobs and echo; prompt and generated logprobs equal to ``transformers``
 on the same export within 1e-4; the chat template; the request caps (413, 400) checked before any work; a near-cap
 prompt that must not hold up a running stream or /health; API keys; every response counted once in
-``raylm_server_requests_total``; and bad inputs that all get OpenAI error bodies while the replicas survive.
+``raylm_server_requests_total``; bad inputs that all get OpenAI error bodies while the replicas survive; and, last
+(it stops the app), draining (serve/drain.py): three streams are open when ``drain()`` starts, two the test then lets
+finish, one it never does, which the deadline must cut. ``python -m serve`` itself draining on SIGTERM (the signal,
+the exit code, no processes left) is tested in test_cluster_run.py's rerun, as `make demo` runs it.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import openai
 import pytest
 import requests
 import torch
+from multinode import wait_for
 from serve_fixtures import documents, one_replica_args, running_app, sse_events
 
 from ground.formats import EOT
 from serve.app import compose_app
+from serve.drain import RETRY_AFTER_S, drain, remove_control
 from serve.engine import ExportServer
 from serve.ingress import RayLMIngress
 from serve.model_dir import hf_model_dir, read_export
@@ -43,14 +49,20 @@ MAX_CHOICES = 16
 API_KEY = "sk-test-4f1c"
 RAISE_IN_INGRESS = "<test: raise in the ingress>"  # FaultyIngress raises for a request naming this model
 FAIL_IN_ENGINE_SEED = 777_777  # FaultyEngine fails a request with this seed (a stream after its first chunk)
+RELEASED_SEED, HELD_SEED = 101, 202  # streams the drain test lets finish, and the one it never does
+DRAIN_TIMEOUT_S = 10.0  # the drain's deadline: far longer than the test's checks between drain start and release
 LOGPROB_TOL = 1e-4  # vLLM and transformers run the same fp32 weights through different kernels
 
 
-def build_faulty(args: dict):  # -> ray.serve.Application
-    """build_app's application, with both deployments subclassed so that they fail on demand (test-only).
+def build_faulty(gate: Path):
+    """build_app's application, with both deployments subclassed so that they fail or hold on demand (test-only).
 
-    Defined inside the builder: cloudpickle sends local classes by value, and the replicas cannot import this module.
+    The engine fails a request with seed FAIL_IN_ENGINE_SEED (before or in the middle of its stream), and holds a
+    stream with seed RELEASED_SEED or HELD_SEED after its first event until ``gate`` / ``<seed>`` exists (the drain
+    test's streams in flight). Defined inside the builder: cloudpickle sends local classes by value, and the replicas
+    cannot import this module.
     """
+    import asyncio
 
     class FaultyIngress(RayLMIngress):
         def _check_model(self, requested: str | None) -> None:
@@ -61,21 +73,45 @@ def build_faulty(args: dict):  # -> ray.serve.Application
     class FaultyEngine(ExportServer):
         async def completions(self, request, raw_request_info=None):
             stream = await super().completions(request, raw_request_info)
-            if request.seed != FAIL_IN_ENGINE_SEED:
-                return stream
+            if request.seed == FAIL_IN_ENGINE_SEED:
+                return failing(request, stream)
+            if request.seed in (RELEASED_SEED, HELD_SEED):
+                return held(request, stream)
+            return stream
 
-            async def failing():
-                if not request.stream:
-                    raise RuntimeError("injected by the test: the engine failed")
-                async for item in stream:
-                    # An item is a batch of SSE events (Ray Serve LLM's stream batching): the first batch can hold the
-                    # whole stream and [DONE], so only its first event goes out before the failure.
-                    yield item[:1]
-                    raise RuntimeError("injected by the test: the engine failed mid-stream")
+    async def failing(request, stream):
+        if not request.stream:
+            raise RuntimeError("injected by the test: the engine failed")
+        async for item in stream:
+            # An item is a batch of SSE events (Ray Serve LLM's stream batching): the first batch can hold the whole
+            # stream and [DONE], so only its first event goes out before the failure.
+            yield item[:1]
+            raise RuntimeError("injected by the test: the engine failed mid-stream")
 
-            return failing()
+    async def held(request, stream):
+        first = True
+        async for item in stream:
+            if not first:
+                yield item
+                continue
+            # On a slow machine the first batch held all eight tokens and [DONE], and the client was done before the
+            # hold: only its first event goes out before the gate.
+            yield item[:1]
+            while not (gate / str(request.seed)).exists():
+                await asyncio.sleep(0.05)
+            first = False
+            if item[1:]:
+                yield item[1:]
 
-    return compose_app(args, FaultyEngine, FaultyIngress)
+    def build(args: dict):
+        return compose_app(args, FaultyEngine, FaultyIngress)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gate")
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +120,16 @@ def sd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_url(long_context_export: Path, sd_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+def base_url(long_context_export: Path, sd_dir: Path, gate: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# the test's key\n{API_KEY}\n")
     caps = {"max_prompt_chars": MAX_PROMPT_CHARS, "max_request_bytes": MAX_REQUEST_BYTES, "max_choices": MAX_CHOICES}
     args = one_replica_args(long_context_export, sd_dir, api_key_file=str(keys), **caps)
-    with running_app(args, build=build_faulty) as url:
-        yield url
+    with running_app(args, build=build_faulty(gate)) as url:
+        try:
+            yield url
+        finally:
+            remove_control("raylm")  # the drain's control actor (detached), left by the drain test
 
 
 @pytest.fixture(scope="module")
@@ -482,3 +521,65 @@ def test_bad_inputs_get_openai_errors_and_the_replicas_survive(base_url: str) ->
         assert set(error) == {"message", "type", "param", "code"} and error["message"], (path, body, error)
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
     assert post(base_url, prompt="fine", max_tokens=2).status_code == 200
+
+
+# ---- draining: last, since it stops the app ----------------------------------------------------------------------
+
+
+def open_stream(client: openai.OpenAI, seed: int, first_chunk: threading.Event) -> tuple[list, Exception | None]:
+    """A streamed completion through the openai SDK; sets ``first_chunk`` once its first chunk is in. Returns the
+    chunks and the error the SDK raised (an SSE error event), if any."""
+    chunks: list = []
+    try:
+        stream = client.completions.create(
+            model=MODEL, prompt="The library", max_tokens=8, stream=True, seed=seed, extra_body={"ignore_eos": True}
+        )
+        for chunk in stream:
+            chunks.append(chunk)
+            first_chunk.set()
+    except openai.APIError as exc:
+        return chunks, exc
+    return chunks, None
+
+
+def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_deadline(
+    base_url: str, client: openai.OpenAI, gate: Path
+) -> None:
+    seeds = (RELEASED_SEED, RELEASED_SEED, HELD_SEED)
+    started = [threading.Event() for _ in seeds]
+    with concurrent.futures.ThreadPoolExecutor(len(seeds) + 1) as pool:
+        streams = [pool.submit(open_stream, client, seed, event) for seed, event in zip(seeds, started, strict=True)]
+        for event in started:
+            assert event.wait(60), "a stream never sent its first chunk"
+        assert requests.get(f"{base_url}/health", timeout=30).status_code == 200  # serving, three streams held
+        drained = pool.submit(drain, "raylm", DRAIN_TIMEOUT_S)
+
+        # While draining: /health says so at once (a load balancer stops routing), a new request gets 503 + Retry-After.
+        def draining_health() -> dict | None:  # the body of a 503
+            health = requests.get(f"{base_url}/health", timeout=30)
+            return health.json() if health.status_code == 503 else None
+
+        assert wait_for(draining_health, 30, "/health to answer 503")["status"] == "draining"
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt="The library", max_tokens=4)
+        assert refused.value.status_code == 503 and refused.value.code == "server_shutting_down"
+        assert refused.value.response.headers["Retry-After"] == str(RETRY_AFTER_S)
+        assert not drained.done()  # three requests are still in flight
+
+        (gate / str(RELEASED_SEED)).touch()  # the two released streams run to their end
+        for stream in streams[:2]:
+            chunks, error = stream.result(timeout=60)
+            assert error is None and chunks[-1].choices[0].finish_reason == "length", (chunks, error)  # all 8 tokens
+        assert not drained.done()  # the held one is still in flight until the deadline
+
+        # Cut at the deadline: the SDK reads the stream's error event and raises it (not a hang, not a silent end).
+        chunks, error = streams[2].result(timeout=DRAIN_TIMEOUT_S + 60)
+        assert len(chunks) >= 1 and isinstance(error, openai.APIError), (chunks, error)
+        assert error.code == "server_shutting_down" and "shutdown timeout" in error.message, error
+        result = drained.result(timeout=60)
+    # The held stream's generator still waits in the engine: let it end, or the app's shutdown waits out the
+    # replica's graceful shutdown timeout for it.
+    (gate / str(HELD_SEED)).touch()
+    assert (result.drained, result.aborted, result.rejected) == (2, 1, 1), result
+    assert result.seconds >= DRAIN_TIMEOUT_S and result.unreported == 0 and result.replicas == 1
+    assert result.line().startswith("drained 2, aborted 1, in ")

@@ -12,7 +12,8 @@ The canary scores through /v1/completions like any client, so its requests are i
 compared with each other at a moment when all of them have caught up (the canary runs every CANARY_INTERVAL), and
 the test's own requests are told apart by what they generate (8 tokens each; the canary's, 1).
 
-Order matters inside this module (pytest keeps file order): the model swap comes last.
+Order matters inside this module (pytest keeps file order): the model swap comes last. It is also the rolling
+update's test: it runs under a streaming load, which must not lose a request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,7 @@ CANARY_INTERVAL = 5.0
 N_REQUESTS = 6
 TOKENS = 8
 MAX_ONGOING = 2
+LOAD_CLIENTS = 3  # streaming clients during the model swap
 # Long enough a burst (~5 s at MAX_ONGOING running) that vLLM's running-requests gauge, exported once a second, is
 # caught non-zero: measured, a burst of 12 (~1.5 s) left every export of it at 0 more often than not.
 OVERLOAD_REQUESTS = 40
@@ -440,7 +443,68 @@ def test_canary_cli_once_scores_the_live_endpoint(stack, evalset) -> None:
     assert status["score"] == pytest.approx(result["score"], abs=1e-3)
 
 
-def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, worse_export_dir) -> None:
+class StreamingLoad:
+    """``LOAD_CLIENTS`` threads streaming completions back to back through the openai SDK until ``stop``, every
+    outcome kept, and ``/health`` polled throughout: a client's and a load balancer's view of a rolling update."""
+
+    def __init__(self, base: str) -> None:
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.outcomes: list[tuple[str, object]] = []  # ("ok", finish_reason) or ("failed", exception)
+        self.health: list[object] = []  # each /health poll's status code, or the exception it raised
+        self.threads = [threading.Thread(target=self._stream, daemon=True) for _ in range(LOAD_CLIENTS)]
+        self.threads.append(threading.Thread(target=self._poll_health, args=(base,), daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def _poll_health(self, base: str) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.health.append(requests.get(f"{base}/health", timeout=30).status_code)
+            except requests.RequestException as exc:
+                self.health.append(exc)
+
+    def _stream(self) -> None:
+        while not self.stop.is_set():
+            try:
+                chunks = list(
+                    self.client.completions.create(
+                        model=MODEL, prompt="The library", max_tokens=TOKENS, stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                )  # fmt: skip
+                outcome = ("ok", chunks[-1].choices[0].finish_reason if chunks else None)
+            except Exception as exc:  # a failed request is what this test counts, whatever its kind
+                outcome = ("failed", exc)
+            with self.lock:
+                self.outcomes.append(outcome)
+            # A short pause between a client's requests: requests stay in flight throughout the update, and the three
+            # clients do not take the two cores that the replacement engine needs to start.
+            self.stop.wait(0.2)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.outcomes)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=150)
+
+
+def test_a_worse_model_rolled_out_under_load_drops_no_request_and_fires_the_canary_regression_alert(
+    stack, worse_export_dir
+) -> None:
+    """A rolling model update (what ``serve deploy`` with a changed ``model`` does; serve/README.md, "Updating the
+    model in place"): the app deployed again with the worse export under the same served name while clients stream.
+    With ``max_surge_percent`` (100 by default) the new replicas start beside the old ones (1 CPU each, the Ray
+    here has 2), which keep serving until the replacements are ready, then finish what they hold. Every request of
+    the load ends complete, ``/health`` never leaves 200 (with ``max_surge_percent: 0`` it answers 503 while no
+    engine replica is up), and ``/v1/models`` switches lineage. Then the canary scores the new model, and its
+    regression alert fires. Nothing is timed."""
     from ray import serve
 
     from serve.app import build_app
@@ -451,9 +515,20 @@ def test_swapping_in_a_worse_model_fires_the_canary_regression_alert(stack, wors
     good_score = wait_for(lambda: scalar(prom, f'raylm_canary_score{{raylm_lineage_id="{good}"}}'), what="good score")
     assert not [a for a in alerts(prom) if a["labels"]["alertname"].startswith("RayLMCanary")], alerts(prom)
 
-    # The same model name (the worse export's directory is also tiny-ccnet): the engine deployment is updated in place.
-    serve.run(build_app(fast_start({**args, "model": str(worse_export_dir)})), name="raylm", route_prefix="/")
-    assert requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["lineage_id"] == bad
+    load = StreamingLoad(base_url)
+    try:
+        wait_for(lambda: load.count() >= LOAD_CLIENTS, timeout=300, what="the load's first requests")
+        # The same model name (the worse export's directory is also tiny-ccnet): the deployments are updated in place.
+        serve.run(build_app(fast_start({**args, "model": str(worse_export_dir)})), name="raylm", route_prefix="/")
+        assert requests.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["lineage_id"] == bad
+        served_before = load.count()
+        wait_for(lambda: load.count() >= served_before + LOAD_CLIENTS, 300, "requests served by the new replicas")
+    finally:
+        load.close()
+    assert not any(thread.is_alive() for thread in load.threads), "a client never finished"
+    assert not [o for o in load.outcomes if o[0] != "ok"], load.outcomes
+    assert all(reason == "length" for _, reason in load.outcomes), load.outcomes  # every stream got all its tokens
+    assert load.health and all(status == 200 for status in load.health), load.health  # never out of rotation
 
     def firing() -> list[dict]:
         return [
