@@ -195,7 +195,7 @@ def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str
         "export": lambda out, resume: run_export(out, trained),
         "eval": lambda out, resume: run_eval(job, out, curated[0], exported),
     }
-    done = [name for name in STAGES[1 : min(last, STAGES.index("eval")) + 1]]
+    done = list(STAGES[1 : min(last, STAGES.index("eval")) + 1])
     chain = Chain(address, worker_logs)
     try:
         for i, (source, out) in enumerate(zip(job.sources, curated, strict=True)):

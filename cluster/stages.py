@@ -118,7 +118,7 @@ def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | No
 
     gathered = gather_inputs(source.inputs, job.pipeline, input_list=source.input_list, base_url=source.base_url)
     material: dict[str, Any] = {"pipeline": gathered.identity(job.pipeline)}
-    if tokenizer_of is not None:
+    if tokenizer_of is not None and not job.pipeline.tokenize.tokenizer_path:  # it loads the first's (source_config)
         # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
         material["tokenizer_of"] = tokenizer_of.key
     return material, gathered
