@@ -195,9 +195,21 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def quiet_triton_notes_without_a_gpu() -> None:
+    """vLLM's import logs three notes on a node without a GPU (Triton has no CPU backend, so no Triton kernels),
+    through the JSON handler ray.serve.llm puts on the root logger while it is imported: on a CPU node they say only
+    what the node is, between the job's stages and the smoke's completion. On a GPU node they stay, where they would
+    mean a broken Triton."""
+    import torch
+
+    if not torch.cuda.is_available():
+        logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    quiet_triton_notes_without_a_gpu()
     with root_logging_kept():  # ray.serve.llm, imported here once, replaces the root logger's handlers
         importlib.import_module("serve.app")
     # Serve LLM's driver-side INFO (each deployment's options, pretty-printed) would fill the terminal between the
