@@ -10,6 +10,7 @@ exports, the served model id and the scores.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.run_spec import STAGES, Job, SpecError, add_spec_arguments, load_job
+from cluster.run_spec import STAGES, DataSource, Job, SpecError, add_spec_arguments, load_job
 from cluster.stages import (
     CANARY_SET,
     MARKER,
@@ -34,6 +35,7 @@ from cluster.stages import (
     run_eval,
     run_export,
     run_train,
+    tokenizer_source,
     train_material,
     verified,
 )
@@ -98,13 +100,30 @@ def stage_errors() -> tuple[type[BaseException], ...]:
 
 
 @dataclass
+class Curation:
+    """One data source's curation: where it writes, its gathered inputs (pipeline.run_inputs, which its run reuses)
+    and the curation whose tokenizer it loads (a mixture's first, for the later sources)."""
+
+    source: DataSource
+    out: StageOutput
+    gathered: Any
+    tokenizer_of: StageOutput | None
+
+    def run(self, job: Job, location: Location, resume: bool) -> tuple[list[str], dict[str, Any]]:
+        return run_curate(job, self.source, location, self.gathered, resume, self.tokenizer_of)
+
+
+@dataclass
 class KeyedChain:
     """Where each stage of a spec writes, from its config and the keys upstream: known before anything runs (and
     without Ray), so ``--where`` can print it."""
 
-    curated: list[StageOutput]  # one curation per data source (one, or each source of a mixture), in spec order
-    gathered: list[Any]  # each curation's gathered inputs (pipeline.run_inputs), which its run reuses
+    curations: list[Curation]  # one per data source (one, or each source of a mixture), in spec order
     later: dict[str, StageOutput]  # train, export, eval
+
+    @property
+    def curated(self) -> list[StageOutput]:
+        return [c.out for c in self.curations]
 
     def where(self, stage: str) -> list[str]:
         return [out.location.uri for out in self.curated] if stage == "curate" else [self.later[stage].location.uri]
@@ -112,16 +131,17 @@ class KeyedChain:
 
 def keyed_outputs(job: Job) -> KeyedChain:
     root = Location(job.spec.root)
-    curated: list[StageOutput] = []
-    gathered = []
+    curations: list[Curation] = []
     for source in job.sources:
-        material, inputs = curate_material(job, source, tokenizer_of=curated[0] if curated else None)
-        curated.append(keyed(root, "curate", material, part=source.name if job.is_mixture else None))
-        gathered.append(inputs)
+        tokenizer_of = tokenizer_source(job, [c.out for c in curations])
+        material, gathered = curate_material(job, source, tokenizer_of)
+        out = keyed(root, "curate", material, part=source.name if job.is_mixture else None)
+        curations.append(Curation(source, out, gathered, tokenizer_of))
+    curated = [c.out for c in curations]
     trained = keyed(root, "train", train_material(job, curated))
     exported = keyed(root, "export", export_material(trained))
     evaluated = keyed(root, "eval", eval_material(job, curated[0], exported))
-    return KeyedChain(curated, gathered, {"train": trained, "export": exported, "eval": evaluated})
+    return KeyedChain(curations, {"train": trained, "export": exported, "eval": evaluated})
 
 
 class Chain:
@@ -198,13 +218,8 @@ def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str
     done = list(STAGES[1 : min(last, STAGES.index("eval")) + 1])
     chain = Chain(address, worker_logs)
     try:
-        for i, (source, out) in enumerate(zip(job.sources, curated, strict=True)):
-            tokenizer_of = curated[0] if i else None
-
-            def curate(location: Location, resume: bool, i: int = i, source=source, tokenizer_of=tokenizer_of):
-                return run_curate(job, source, location, keyed.gathered[i], resume, tokenizer_of)
-
-            chain.stage(out, curate)
+        for curation in keyed.curations:
+            chain.stage(curation.out, functools.partial(curation.run, job))
         for name in done[1:]:
             chain.stage(later[name], work[name])
         root = Location(job.spec.root)

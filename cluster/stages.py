@@ -118,16 +118,21 @@ def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | No
 
     gathered = gather_inputs(source.inputs, job.pipeline, input_list=source.input_list, base_url=source.base_url)
     material: dict[str, Any] = {"pipeline": gathered.identity(job.pipeline)}
-    if tokenizer_of is not None and not job.pipeline.tokenize.tokenizer_path:  # it loads the first's (source_config)
+    if tokenizer_of is not None:
         # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
         material["tokenizer_of"] = tokenizer_of.key
     return material, gathered
 
 
+def tokenizer_source(job: Job, curated: list[StageOutput]) -> StageOutput | None:
+    """The curation whose tokenizer the next source loads: a mixture's first, for every later source; none for the
+    first, or when the spec names a tokenizer of its own (which every source then loads)."""
+    return curated[0] if curated and not job.pipeline.tokenize.tokenizer_path else None
+
+
 def source_config(job: Job, tokenizer_of: StageOutput | None) -> Any:
-    """The pipeline config one source runs with: the spec's, loading the first source's tokenizer for the others
-    (unless the spec names a tokenizer of its own, which every source then loads)."""
-    if tokenizer_of is None or job.pipeline.tokenize.tokenizer_path:
+    """The pipeline config one source runs with: the spec's, loading ``tokenizer_of``'s tokenizer if it has one."""
+    if tokenizer_of is None:
         return job.pipeline
     tokenize = job.pipeline.tokenize.model_copy(update={"tokenizer_path": tokenizer_of.location.join(TOKENIZER).uri})
     return job.pipeline.model_copy(update={"tokenize": tokenize})
