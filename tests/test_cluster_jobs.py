@@ -105,7 +105,7 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     address, env = head
     root = tmp_path / "root"
     # The shipped mixture demo spec, smaller: its relative paths (inputs, base configs) resolve inside the uploaded
-    # checkout. Two sources (the sample's WET and its HTML files), each curated by its own pipeline run, mixed 3:1.
+    # checkout. Two sources (the sample's HTML and its WET files), each curated by its own pipeline run, mixed 1:3.
     overrides = ["--set", "train.steps=4", "--set", "train.parallel.strategy=fsdp", "--set", "train.parallel.workers=2"]
     stdout = submit_job(address, env, root, "cluster/jobs/demo_mixture.yaml", "--until", "train", *overrides)
     assert "[train  ] done" in stdout
@@ -114,7 +114,7 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     )
     lineage = json.loads((root / "lineage.json").read_text())
     sources = lineage["data"]["mixture"]
-    assert [(s["name"], s["weight"]) for s in sources] == [("wet", 3), ("html", 1)]
+    assert [(s["name"], s["weight"]) for s in sources] == [("html", 1), ("wet", 3)]
     manifests = [json.loads((Path(s["dir"]) / "manifest.json").read_text()) for s in sources]
     # Each source read its own files, and the second loaded the first's tokenizer: one vocabulary for the model.
     read = {s["name"]: {Path(i["path"]).name for i in lineage["inputs"] if i["source"] == s["name"]} for s in sources}

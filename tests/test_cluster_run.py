@@ -56,8 +56,8 @@ SPEC: dict[str, Any] = {
 MIXTURE: dict[str, Any] = {
     "base": "pipeline/configs/demo.yaml",
     "sources": [
-        {"name": "wet", "inputs": str(SAMPLE / "*.wet.gz"), "weight": 3},
         {"name": "html", "inputs": str(SAMPLE / "*.warc.gz"), "weight": 1},
+        {"name": "wet", "inputs": str(SAMPLE / "*.wet.gz"), "weight": 3},
     ],
 }
 
@@ -373,7 +373,7 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, **se
         (["--set", "evaluation.items=3"], {}, "evaluation: unknown key"),
         ([], {"data": {"base": "pipeline/configs/demo.yaml"}}, "data.inputs"),
         ([], {"data": {**MIXTURE, "inputs": str(SAMPLE)}}, "data.inputs: a mixture's inputs are in data.sources"),
-        ([], {"data": {"sources": [MIXTURE["sources"][0]] * 2}}, "data.sources[1].name: 'wet' names two sources"),
+        ([], {"data": {"sources": [MIXTURE["sources"][0]] * 2}}, "data.sources[1].name: 'html' names two sources"),
         ([], {"data": {"sources": [{"name": "wet", "weight": 1}]}}, "data.sources[0].inputs"),
         ([], {"data": {"sources": [{"name": "a b", "inputs": "x", "weight": 1}]}}, "data.sources.0.name"),
         ([], {"data": {"sources": [{"name": "wet", "inputs": "x", "weight": 0}]}}, "data.sources.0.weight"),
@@ -435,10 +435,10 @@ def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sou
     reweighted = {**MIXTURE, "sources": [MIXTURE["sources"][0], {**MIXTURE["sources"][1], "weight": 2}]}
     assert where("curate", reweighted) == curated and where("train", reweighted) != trained
     # The first source's inputs changed: its tokenizer may differ, so the second source's curation is another one.
-    first = {**MIXTURE["sources"][0], "inputs": str(SAMPLE / "cc_en_head-*.wet.gz")}
+    first = {**MIXTURE["sources"][0], "inputs": str(SAMPLE / "sample-0000.warc.gz")}
     changed = where("curate", {**MIXTURE, "sources": [first, MIXTURE["sources"][1]]})
     assert changed[0] != curated[0] and changed[1] != curated[1]
     # The second source's inputs changed: the first's curation is the same one.
-    second = {**MIXTURE["sources"][1], "inputs": str(SAMPLE / "sample-0000.warc.gz")}
+    second = {**MIXTURE["sources"][1], "inputs": str(SAMPLE / "cc_en_head-*.wet.gz")}
     changed = where("curate", {**MIXTURE, "sources": [MIXTURE["sources"][0], second]})
     assert changed[0] == curated[0] and changed[1] != curated[1]
