@@ -627,7 +627,7 @@ class Request:
     stream: bool
     started: float
     request_id: str  # sent as x-request-id: Serve's request id, in the proxy's and every replica's log lines for it
-    probe: bool = False  # sent by arrange_loss, not by a client thread
+    probe: bool = False  # sent by Load.probe (arrange_loss, a test), not by a client thread
     ended: float | None = None
     status: int | None = None
     replica: str | None = None  # x-raylm-replica: the ingress replica
