@@ -38,6 +38,7 @@ NAMESPACE = "raylm"
 RETRY_AFTER_S = 1  # a draining server does not come back: the client should retry at once, on another one
 REPORT_GRACE_S = 5.0  # after the cut, how long the driver waits for every replica to report its streams ended
 PROGRESS_EVERY_S = 5.0  # how often a long drain logs what it still waits for
+DEREGISTER_TIMEOUT_S = 5.0  # a stopping replica's wait for the control to take its leave (a lost control: not longer)
 
 
 def control_name(app: str) -> str:
@@ -59,6 +60,13 @@ class DrainControl:
 
     async def deregister(self, replica: str) -> None:
         self._reports.pop(replica, None)
+        if not self._reports and not self._draining.is_set():
+            # The app's last ingress replica is gone and no drain is under way: the app was deleted (``serve
+            # delete``, a ``serve deploy`` without it) or is being replaced whole. Nothing asks for this control
+            # again until a new replica does, and get_control then makes a fresh one; a drain's own caller removes
+            # the control itself once Serve is down. Ends this actor, which would otherwise outlive the app: killed,
+            # since exit_actor() would wait for the long polls the departed replicas left open here.
+            ray.kill(ray.get_runtime_context().current_actor)
 
     async def wait_draining(self) -> None:
         await self._draining.wait()
@@ -86,7 +94,8 @@ class DrainControl:
 
 def get_control(app: str) -> Any:
     """The app's ``DrainControl`` handle, made if no one has yet. Detached: it belongs to the app, not to whichever
-    process asked first (a replica may start before the driver asks); :func:`drain`'s caller removes it."""
+    process asked first (a replica may start before the driver asks). It ends itself when the app's last ingress
+    replica leaves outside a drain; after a drain, :func:`drain`'s caller removes it."""
     return DrainControl.options(  # type: ignore[attr-defined]  # @ray.remote made it an actor class
         name=control_name(app), namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote()
@@ -198,8 +207,16 @@ class ReplicaDrain:
 
     async def _watch(self) -> None:
         try:
-            self._control = get_control(self.app)
-            await self._control.register.remote(self.replica)
+            for attempt in range(3):
+                self._control = get_control(self.app)
+                try:
+                    await self._control.register.remote(self.replica)
+                    break
+                except ray.exceptions.ActorDiedError:
+                    # Found as the app's previous replicas all left (it exits then), before its name was freed.
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(0.5)
             await self._control.wait_draining.remote()
             self.draining = True
             log.warning("draining: /health answers 503, new requests 503; %d request(s) in flight", self.in_flight)
@@ -253,12 +270,15 @@ class ReplicaDrain:
                 with contextlib.suppress(Exception):
                     await aclose()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """The replica is stopping (Serve's graceful shutdown, a scale-down): the drain stops waiting for it."""
         if self._watcher is not None:
             self._watcher.cancel()
         if self._control is not None:
-            self._control.deregister.remote(self.replica)
+            # Awaited: the replica's process ends once its destructor returns, and a call only submitted by then may
+            # never leave it (the control would wait for this replica, and outlive the app).
+            with contextlib.suppress(Exception):  # the control ended on this very call (the app's last replica)
+                await asyncio.wait_for(self._control.deregister.remote(self.replica), DEREGISTER_TIMEOUT_S)
 
     def _report(self) -> None:
         if self._control is None:

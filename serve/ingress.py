@@ -282,7 +282,7 @@ class RayLMIngress(OpenAiIngress):
         # Serve calls this on graceful shutdown: drop the scrape target so Prometheus forgets the replica, and stop
         # being one the drain waits for.
         self.metrics.close()
-        self.drain.close()
+        await self.drain.close()
         if self.tracer is not None:
             self.tracer.close()
 

@@ -11,19 +11,24 @@ The pipeline loses a worker node and still publishes the bytes an undisturbed ru
   in the bucket.
 
 Then the whole chain runs from that output through the bucket alone: train (DDP over both worker nodes), export,
-serve (replicas on the workers pull the export into their node's cache) and one streamed completion.
+serve as a job (replicas on the workers pull the export into their node's cache), one streamed completion in
+flight while `ray job stop` stops the job: the stream runs to its end, the job drains and exits.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
+import requests
+import yaml
 from conftest import REPO, SAMPLE, sample_copies
 from multinode import MultiNodeCluster, index_shard_node, multinode_cluster, python_module, stored_output, wait_for
 from ray.job_submission import JobStatus
 from remote_servers import upload_dir
+from serve_fixtures import sse_events
 
 from ground.dist import free_port
 
@@ -160,16 +165,40 @@ def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, refe
     export = cluster.wait_job(cluster.submit(python_module("train.export", "--run", run, "--output", model)), 300)
     assert export.status == JobStatus.SUCCEEDED, export.logs[-4000:]
     # One proxy, on the head: the worker nodes share this machine's loopback, so a proxy each would share a port.
-    serve = cluster.wait_job(
-        cluster.submit(
-            python_module(
-                "serve", "--model", model, "--port", str(free_port()), "--proxy-location", "HeadOnly", "--smoke"
-            )
-        ),
-        600,
+    # The job gets the shipped runtime env's variables (cluster/jobs/runtime_env.yaml), as submit_serve.sh gives them:
+    # among them the time `ray job stop` leaves between its SIGTERM and its SIGKILL.
+    shipped = yaml.safe_load((REPO / "cluster" / "jobs" / "runtime_env.yaml").read_text())["env_vars"]
+    port = free_port()
+    serve = cluster.submit(
+        python_module("serve", "--model", model, "--port", str(port), "--proxy-location", "HeadOnly"), env_vars=shipped
     )
-    assert serve.status == JobStatus.SUCCEEDED, serve.logs[-4000:]
-    assert "--- streamed completion for 'The history of the' ---" in serve.logs
+    base = f"http://127.0.0.1:{port}"
+
+    def serving() -> bool:
+        assert not cluster.jobs.get_job_status(serve).is_terminal(), cluster.job_logs(serve)[-4000:]
+        try:
+            return requests.get(f"{base}/health", timeout=5).status_code == 200
+        except requests.RequestException:  # the proxy not up yet, or waiting for the app's replicas
+            return False
+
+    wait_for(serving, 600, "the served model", 1.0)
+    # A stream in flight, then `ray job stop` (SIGTERM to the job's processes): the stream runs to its end, and the
+    # job drains and exits, with no stack dump.
+    body = {"prompt": "The history of the", "max_tokens": 100, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=(10, 120)) as resp:
+        assert resp.status_code == 200, resp.text
+        events = sse_events(resp.iter_lines())
+        first = next(events)
+        cluster.jobs.stop_job(serve)
+        events = [first, *events]
+    usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    assert usage and usage[-1]["completion_tokens"] == body["max_tokens"], events[-3:]  # every token came
+    stopped = cluster.wait_job(serve, 120)
+    assert stopped.status == JobStatus.STOPPED, stopped.logs[-4000:]
+    assert "SIGTERM: draining for up to " in stopped.logs and re.search(r"drained [01], aborted 0", stopped.logs)
+    assert "SIGTERM received" not in stopped.logs and "*** " not in stopped.logs, stopped.logs[-4000:]
 
     # Each stage's output is in the bucket, complete; the run trained on every step; every shard a rank read was
     # fetched into its own node's cache, under its sha256 (no node read another's files).

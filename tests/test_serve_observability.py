@@ -547,3 +547,23 @@ def test_a_worse_model_rolled_out_under_load_drops_no_request_and_fires_the_cana
     # The canary dropped the replaced lineage's series instead of leaving them frozen.
     wait_for(lambda: not query(prom, f'raylm_canary_score{{raylm_lineage_id="{good}"}}'), what="old series gone")
     assert not [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMCanaryStale"]
+
+
+def test_deleting_the_app_ends_its_drain_control(stack) -> None:
+    # The last test of the module: it deletes the app. As `serve delete`, or a `serve deploy` without the app, does:
+    # its drain control (a detached actor, serve/drain.py) ends with its last ingress replica instead of outliving it.
+    import ray
+    from ray import serve
+
+    from serve.drain import NAMESPACE, control_name
+
+    def control_exists() -> bool:
+        try:
+            ray.get_actor(control_name("raylm"), namespace=NAMESPACE)
+        except ValueError:
+            return False
+        return True
+
+    assert control_exists()  # the serving replicas registered with it
+    serve.delete("raylm")
+    wait_for(lambda: not control_exists(), timeout=60, what="the drain control to end with the app")
