@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -46,6 +46,7 @@ from ground.ray_address import add_address_option
 from ground.storage import Location, StorageError, discard
 
 LINEAGE = "lineage.json"
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +141,7 @@ def keyed_outputs(job: Job) -> KeyedChain:
     curated = [c.out for c in curations]
     trained = keyed(root, "train", train_material(job, curated))
     exported = keyed(root, "export", export_material(trained))
-    evaluated = keyed(root, "eval", eval_material(job, curated[0], exported))
+    evaluated = keyed(root, "eval", eval_material(job, curated, exported))
     return KeyedChain(curations, {"train": trained, "export": exported, "eval": evaluated})
 
 
@@ -210,10 +211,11 @@ def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str
     keyed = keyed_outputs(job)
     curated, later = keyed.curated, keyed.later
     trained, exported = later["train"], later["export"]
+    local = not Location(job.spec.root).is_remote
     work: dict[str, Callable[[Location, bool], tuple[list[str], dict[str, Any]]]] = {
         "train": lambda out, resume: run_train(job, out, curated, resume),
-        "export": lambda out, resume: run_export(out, trained),
-        "eval": lambda out, resume: run_eval(job, out, curated[0], exported),
+        "export": lambda out, resume: as_ray_task(f"{job.name} export", local, run_export, out, trained),
+        "eval": lambda out, resume: as_ray_task(f"{job.name} eval", local, run_eval, job, out, curated, exported),
     }
     done = list(STAGES[1 : min(last, STAGES.index("eval")) + 1])
     chain = Chain(address, worker_logs)
@@ -231,6 +233,29 @@ def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str
         return 0
     finally:
         chain.shutdown()
+
+
+def as_ray_task(name: str, local_root: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` as a Ray task called ``name``, which is how the Ray dashboard lists the stage (the curations are
+    its datasets, training its Train run; export and eval would otherwise be nothing but the driver's own time). With
+    the root in object storage it takes a CPU on any node, so that a cluster's head (which holds none) does not
+    score the model; with a local root it runs where the root is, on this node, as the driver's own work would. A
+    stage's own error reaches the chain as itself, not wrapped in Ray's task error."""
+    import ray
+    from ray.exceptions import RayTaskError
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    placement: dict[str, Any] = {"num_cpus": 1}
+    if local_root:
+        here = ray.get_runtime_context().get_node_id()
+        placement = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+    task = ray.remote(fn).options(name=name, max_retries=0, **placement)
+    try:
+        return ray.get(task.remote(*args))
+    except RayTaskError as err:
+        if isinstance(err.cause, stage_errors()):
+            raise err.cause from None
+        raise
 
 
 def served_model_id(job: Job, exported: StageOutput) -> str:
@@ -267,7 +292,9 @@ def write_lineage(
         }
         lineage["model_id"] = served_model_id(job, exported)
     if "eval" in outputs:
-        lineage["eval"] = {"dir": outputs["eval"].location.uri, "scores": outputs["eval"].record["result"]["scores"]}
+        result = outputs["eval"].record["result"]
+        # items: how many of the scored val documents each curation gave (a mixture's sources give theirs in turn).
+        lineage["eval"] = {"dir": outputs["eval"].location.uri, "scores": result["scores"], "items": result["items"]}
     root.join(LINEAGE).write_text(json.dumps(lineage, indent=2))
     return lineage
 

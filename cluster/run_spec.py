@@ -142,6 +142,12 @@ class Job:
     def is_mixture(self) -> bool:
         return bool(self.spec.data.sources)
 
+    @property
+    def name(self) -> str:
+        """The spec file's name without its suffix (``demo`` for cluster/jobs/demo.yaml): what the Ray dashboard
+        lists the job's pipeline runs by."""
+        return Path(self.source).stem
+
 
 def data_sources(data: DataSection, source: str) -> list[DataSource]:
     """The curations a spec asks for: its inputs, or each source of its mixture (names unique, no inputs beside)."""

@@ -15,8 +15,12 @@ a stage that was cut off: the pipeline resumes it (``--resume``) and training co
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
+import json
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +153,7 @@ def run_curate(
         report = PipelineRun(
             source.inputs, out.uri, source_config(job, tokenizer_of), console=stderr_console(),
             input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=gathered,
+            name=f"{job.name} curate" + (f" {source.name}" if job.is_mixture else ""),
         ).run()  # fmt: skip
     return ["manifest.json"], {"input": report["input"], "output": report["output"]}
 
@@ -204,16 +209,20 @@ def run_export(out: Location, trained: StageOutput) -> tuple[list[str], dict[str
     return [f"{fmt}/{LINEAGE}" for fmt in EXPORT_FORMATS], {"formats": list(EXPORT_FORMATS)}
 
 
-def eval_material(job: Job, curated: StageOutput, exported: StageOutput) -> dict[str, Any]:
-    return {"eval": job.spec.eval.model_dump(), "data": curated.key, "export": exported.key}
+def eval_material(job: Job, curated: list[StageOutput], exported: StageOutput) -> dict[str, Any]:
+    return {"eval": job.spec.eval.model_dump(), "data": [c.key for c in curated], "export": exported.key}
 
 
 EVAL_SCORES = "scores.json"
+HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars) when not on a terminal
 CANARY_SET = "tasks/canary-evalset.jsonl"
 
 
-def run_eval(job: Job, out: Location, curated: StageOutput, exported: StageOutput) -> tuple[list[str], dict[str, Any]]:
-    """lm-evaluation-harness (``hf`` backend) on the HF export, over the val documents the canary scores."""
+def run_eval(
+    job: Job, out: Location, curated: list[StageOutput], exported: StageOutput
+) -> tuple[list[str], dict[str, Any]]:
+    """lm-evaluation-harness (``hf`` backend) on the HF export, over the val documents the canary scores: the
+    curation's, or a mixture's sources' in turn (a source without val documents gives none)."""
     import lm_eval
 
     from ground.cache import fetch_published
@@ -223,25 +232,40 @@ def run_eval(job: Job, out: Location, curated: StageOutput, exported: StageOutpu
     spec = job.spec.eval
     with tempfile.TemporaryDirectory(prefix="raylm-eval-") as scratch:
         tasks = build_tasks(
-            curated.location.uri, Path(scratch) / "tasks", items=spec.items,
+            [c.location.uri for c in curated], Path(scratch) / "tasks", items=spec.items,
             max_tokens=job.train.model.block_size - 2,  # an item, its document-start token and one generated token
         )  # fmt: skip
         hf_model = fetch_published(exported.location.join("hf"), LINEAGE)  # this node's verified copy, if remote
-        results = lm_eval.simple_evaluate(
-            model="hf",
-            # add_bos_token=False: the harness puts its own prefix token (<|endoftext|>) before a rolling window.
-            model_args=f"pretrained={hf_model},dtype=float32,add_bos_token=False",
-            tasks=list(spec.tasks),
-            task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks)),
-            batch_size=4,
-            device="cpu",
-            bootstrap_iters=0,
-        )
+        # The harness draws tqdm bars on stderr: in a terminal they redraw in place, but in `ray job logs`, CI or a Ray
+        # worker's log they are a screenful of carriage-return updates. There, its stderr goes to the stage's
+        # harness.log instead.
+        harness_log = Path(scratch) / HARNESS_LOG
+        with contextlib.ExitStack() as quiet:
+            if not sys.stderr.isatty():
+                quiet.enter_context(contextlib.redirect_stderr(quiet.enter_context(harness_log.open("w"))))
+            results = lm_eval.simple_evaluate(
+                model="hf",
+                # add_bos_token=False: the harness puts its own prefix token (<|endoftext|>) before a rolling window.
+                model_args=f"pretrained={hf_model},dtype=float32,add_bos_token=False",
+                tasks=list(spec.tasks),
+                task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks)),
+                batch_size=4,
+                device="cpu",
+                bootstrap_iters=0,
+            )
         scores = {
             task: {k.removesuffix(",none"): v for k, v in metrics.items() if k.endswith(",none") and "stderr" not in k}
             for task, metrics in results["results"].items()
         }
+        # Which curation each item came from: a mixture's sources give items in turn while their val documents last.
+        canary = (tasks / Path(CANARY_SET).name).read_text(encoding="utf-8").splitlines()
+        items = collections.Counter(json.loads(line)["source"] for line in canary if line.strip())
         for path in sorted(tasks.iterdir()):
             out.join("tasks", path.name).upload_from(path)
+        if harness_log.exists():
+            out.join(HARNESS_LOG).upload_from(harness_log)
     out.join(EVAL_SCORES).write_json(scores)
-    return [EVAL_SCORES, CANARY_SET], {"scores": scores}
+    return [EVAL_SCORES, CANARY_SET], {
+        "scores": scores,
+        "items": {c.location.uri: items[c.location.uri] for c in curated},
+    }

@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue the unfinished run of this output (same config and inputs), redoing only unfinished work",
     )
+    run.add_argument(
+        "--name",
+        help="what the Ray dashboard lists the run's datasets by, and its metrics' run label (default: the output "
+        "directory's name)",
+    )
     add_address_option(run)
     run.add_argument("--num-cpus", type=int, help="CPUs for a local Ray (default: all)")
 
@@ -242,6 +247,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         input_list=args.input_list,
         base_url=args.base_url,
         resume=args.resume,
+        name=args.name,
     )
     import ray
     from ray.exceptions import RayTaskError

@@ -134,7 +134,8 @@ def _root_cause(err: BaseException) -> BaseException:
 
 class PipelineRun:
     """One run of the pipeline into ``output``. ``prepared``: the inputs a caller already gathered
-    (``pipeline.run_inputs.gather_inputs``), for instance to key the output by their identity."""
+    (``pipeline.run_inputs.gather_inputs``), for instance to key the output by their identity. ``name``: what the
+    Ray dashboard lists the run's datasets by and its metrics' ``run`` label (default: the output dir's name)."""
 
     def __init__(
         self,
@@ -148,6 +149,7 @@ class PipelineRun:
         base_url: str | None = None,
         resume: bool = False,
         prepared: RunInputs | None = None,
+        name: str | None = None,
     ) -> None:
         self.config = config
         # The run's filter steps (the config's added ones imported and checked here, in the driver, first).
@@ -160,6 +162,9 @@ class PipelineRun:
             self.output = Location(output)
         except StorageError as err:
             raise PipelineOutputError(str(err)) from err
+        # What the Ray dashboard lists this run's datasets by, and its metrics' ``run`` label: the output dir's name
+        # unless the caller names the run (the chain: its spec, stage and source).
+        self.name = name or self.output.name
         self.console = console or stderr_console()
         self.pass_seconds: dict[str, float] = {}
         self.blocklist = gathered.blocklist
@@ -184,7 +189,7 @@ class PipelineRun:
     def run(self) -> dict:
         started = time.perf_counter()
         staging = self.staging
-        self.metrics = PipelineMetrics(self.output.name, self.plan.filter_stages)  # Ray's metrics: Ray is up by now
+        self.metrics = PipelineMetrics(self.name, self.plan.filter_stages)  # Ray's metrics: Ray is up by now
         try:
             report = self._run_into(staging, started)
         except Exception as err:
@@ -236,7 +241,7 @@ class PipelineRun:
                     fn, fn_kwargs=fn_kwargs, **(actors or {})
                 )
                 # The Ray dashboard lists datasets by name: this one says which pass and run it is.
-                ds.set_name(ascii_label(f"raylm {name} ({PASS_STEPS[name]}) for {self.output.name}"))
+                ds.set_name(ascii_label(f"raylm {name} ({PASS_STEPS[name]}) for {self.name}"))
                 for row in ds.iter_rows():
                     summary = json.loads(row["summary"])
                     if "error" in summary:

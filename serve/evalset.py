@@ -12,15 +12,18 @@ the model was not trained on — in file and row order, so rebuilding is determi
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from ground.storage import Location
+
+DataDir = str | Path | Location
 
 
 class EvalSetError(ValueError):
@@ -77,7 +80,7 @@ def version_of(texts: list[str]) -> str:
 
 
 def build_evalset(
-    data_dir: str | Path | Location,
+    data_dirs: DataDir | Sequence[DataDir],
     output: str | Path,
     name: str = "val-loglik",
     items: int = 16,
@@ -86,39 +89,50 @@ def build_evalset(
     max_tokens: int | None = None,
 ) -> EvalSet:
     """The first ``items`` val documents of ``min_chars``+ characters, cut to ``max_chars`` (and, given
-    ``max_tokens``, to that many tokens of the data dir's tokenizer), written to ``output`` as JSONL. The data dir is
-    a path or an object-storage URI; ``output`` is a local file."""
-    root = Location(data_dir)
-    count_tokens = _token_counter(root.uri) if max_tokens is not None else None
-    files = [f for f in root.files() if re.fullmatch(r"documents/val-[^/]*\.parquet", f)]
-    if not files:
-        raise EvalSetError(f"{root}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
-    picked: list[tuple[str, str]] = []
-    for file in files:
-        path = Path(file)
-        with root.join(file).open_input() as stream:
-            texts = pq.read_table(stream, columns=["text"]).column("text").to_pylist()
-        for row, text in enumerate(texts):
-            if text and len(text.strip()) >= min_chars:
-                cut = _truncate(text.strip(), max_chars)
-                if count_tokens is not None and max_tokens is not None:
-                    cut = fit_tokens(cut, count_tokens, max_tokens)
-                picked.append((f"{path.stem}:{row}", cut))
+    ``max_tokens``, to that many tokens of the data's tokenizer), written to ``output`` as JSONL. A data dir is a
+    path or an object-storage URI; ``output`` is a local file.
+
+    Several data dirs (a mixture's curations, which share one tokenizer) give their documents in turn, one each
+    while they last, so that every source with val documents is scored; a source with none gives no item, and
+    each line's ``source`` says which dir it came from."""
+    roots = [Location(d) for d in ([data_dirs] if isinstance(data_dirs, (str, Path, Location)) else data_dirs)]
+    count_tokens = _token_counter(roots[0].uri) if max_tokens is not None else None
+    several = len(roots) > 1
+    found: list[list[tuple[str, str, str]]] = []  # per dir: (id, text, source)
+    for n, root in enumerate(roots):
+        files = [f for f in root.files() if re.fullmatch(r"documents/val-[^/]*\.parquet", f)]
+        if not files and not several:
+            raise EvalSetError(f"{root}/documents has no val-*.parquet (a `python -m pipeline run` output dir?)")
+        picked: list[tuple[str, str, str]] = []
+        for file in files:
+            path = Path(file)
+            with root.join(file).open_input() as stream:
+                texts = pq.read_table(stream, columns=["text"]).column("text").to_pylist()
+            for row, text in enumerate(texts):
+                if text and len(text.strip()) >= min_chars:
+                    cut = _truncate(text.strip(), max_chars)
+                    if count_tokens is not None and max_tokens is not None:
+                        cut = fit_tokens(cut, count_tokens, max_tokens)
+                    # A mixture's ids carry the source's place, since its dirs' file names repeat.
+                    picked.append((f"{n}/{path.stem}:{row}" if several else f"{path.stem}:{row}", cut, root.uri))
+                if len(picked) == items:
+                    break
             if len(picked) == items:
                 break
-        if len(picked) == items:
-            break
-    if not picked:
-        raise EvalSetError(f"no val document in {root} has {min_chars}+ characters")
-    version = version_of([t for _, t in picked])
+        found.append(picked)
+    chosen = [doc for turn in itertools.zip_longest(*found) for doc in turn if doc is not None][:items]
+    if not chosen:
+        where = ", ".join(str(r) for r in roots)
+        raise EvalSetError(f"no val document in {where} has {min_chars}+ characters")
+    version = version_of([t for _, t, _ in chosen])
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
-        for item_id, text in picked:
+        for item_id, text, source in chosen:
             line = {"eval_set": name, "version": version, "id": item_id, "kind": "loglik", "text": text}
-            line["source"] = root.uri
+            line["source"] = source
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")
-    return EvalSet(name, version, tuple(EvalItem(i, t) for i, t in picked))
+    return EvalSet(name, version, tuple(EvalItem(i, t) for i, t, _ in chosen))
 
 
 def _token_counter(data_dir: str | Path) -> Callable[[str], int]:

@@ -20,12 +20,12 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from ground.storage import Location
-from serve.evalset import EvalSetError, build_evalset
+from serve.evalset import DataDir, EvalSetError, build_evalset
 
 PPL_TASK = "raylm_val_ppl"
 CLOZE_TASK = "raylm_val_cloze"
@@ -68,15 +68,16 @@ def task_yaml(name: str, data_file: Path, **fields: object) -> dict:
 
 
 def build_tasks(
-    data_dir: str | Path | Location, output: str | Path, items: int = 16, max_tokens: int | None = None
+    data_dirs: DataDir | Sequence[DataDir], output: str | Path, items: int = 16, max_tokens: int | None = None
 ) -> Path:
     """Write both tasks' YAML and jsonl into ``output``, plus the canary eval set of the same items
-    (``canary-evalset.jsonl``); returns ``output`` (the ``--include_path``). ``max_tokens``: cut each text to
+    (``canary-evalset.jsonl``, from one data dir's val documents or a mixture's in turn: ``build_evalset``);
+    returns ``output`` (the ``--include_path``). ``max_tokens``: cut each text to
     that many tokens (the model's block size - 2 keeps an item, its leading end-of-text token and the one token
     the harness's completions backend asks for inside one context window, so every backend scores it alike)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    evalset = build_evalset(data_dir, out / "canary-evalset.jsonl", items=items, max_tokens=max_tokens)
+    evalset = build_evalset(data_dirs, out / "canary-evalset.jsonl", items=items, max_tokens=max_tokens)
     texts = [item.text for item in evalset.items]
     ppl_data = out / f"{PPL_TASK}.jsonl"
     ppl_data.write_text("".join(json.dumps({"id": i.id, "text": i.text}) + "\n" for i in evalset.items))

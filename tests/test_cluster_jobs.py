@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import yaml
 from conftest import REPO, SAMPLE
 
 from cluster.trainer_memory import predict_trainer_state_bytes
 from ground.dist import free_port
+from pipeline.executor import PASS_STEPS
 
 pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
 
@@ -107,8 +109,25 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     # The shipped mixture demo spec, smaller: its relative paths (inputs, base configs) resolve inside the uploaded
     # checkout. Two sources (the sample's HTML and its WET files), each curated by its own pipeline run, mixed 1:3.
     overrides = ["--set", "train.steps=4", "--set", "train.parallel.strategy=fsdp", "--set", "train.parallel.workers=2"]
-    stdout = submit_job(address, env, root, "cluster/jobs/demo_mixture.yaml", "--until", "train", *overrides)
-    assert "[train  ] done" in stdout
+    stdout = submit_job(address, env, root, "cluster/jobs/demo_mixture.yaml", "--until", "eval", *overrides)
+    assert "[train  ] done" in stdout and "[eval   ] done" in stdout
+    # The Ray dashboard lists the job by its spec, and its datasets by the spec, the stage and the source.
+    submission = re.search(r"Job '(raylm-demo_mixture-\d{8}-\d{6})' submitted successfully", stdout)
+    assert submission, stdout
+    auth = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
+    jobs = requests.get(f"{address}/api/jobs/", headers=auth, timeout=30).json()
+    (job_id,) = [j["job_id"] for j in jobs if j["submission_id"] == submission[1]]
+    datasets = requests.get(f"{address}/api/data/datasets/{job_id}", headers=auth, timeout=60).json()["datasets"]
+    names = {d["dataset"].rsplit("_", 2)[0] for d in datasets}  # a dataset id: <name>_<uuid>_<run index>
+    for source in ("html", "wet"):
+        assert {n for n in names if n.endswith(f" for demo_mixture curate {source}")} == {
+            f"raylm {p} ({PASS_STEPS[p]}) for demo_mixture curate {source}" for p in ("filter", "dedup", "tokenize")
+        }, names
+    # The export and eval stages are the job's tasks of those names (Ray's state API, which the dashboard reads).
+    query = {"filter_keys": "job_id", "filter_predicates": "=", "filter_values": job_id, "limit": 10000}
+    listed = requests.get(f"{address}/api/v0/tasks", params=query, headers=auth, timeout=60).json()
+    tasks = {(t["name"], t["state"]) for t in listed["data"]["result"]["result"]}
+    assert {("demo_mixture export", "FINISHED"), ("demo_mixture eval", "FINISHED")} <= tasks, sorted(tasks)
     assert re.search(r"^\[curate\s*\] done\s+wet: in ", stdout, re.M) and re.search(
         r"^\[curate\s*\] done\s+html: in ", stdout, re.M
     )
@@ -123,6 +142,14 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
         "html": {p.name for p in SAMPLE.glob("*.warc.gz")},
     }
     assert manifests[0]["tokenizer"]["sha256"] == manifests[1]["tokenizer"]["sha256"]
+    # The eval stage scores the sources' val documents in turn: the four small WET files leave none, so the HTML
+    # source gives every item, and the canary set it wrote says so line by line.
+    items = lineage["eval"]["items"]
+    canary = (Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").read_text().splitlines()
+    assert items == {sources[0]["dir"]: len(canary), sources[1]["dir"]: 0} and canary, items
+    assert {json.loads(line)["source"] for line in canary} == {sources[0]["dir"]}
+    assert all(json.loads(line)["id"].startswith("0/") for line in canary)
+    assert lineage["eval"]["scores"]["raylm_val_ppl"]["word_perplexity"] > 1
     assert all(sum(s["tokens"] for s in m["shards"]) > 1_000 for m in manifests)
     run = Path(lineage["train"]["run_dir"])
     config = yaml.safe_load((run / "config.yaml").read_text())

@@ -71,10 +71,16 @@ def cli(spec: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "cluster.run", str(spec), *args]
 
 
-def run(spec: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
-    """Run the chain to its end; returns its stdout and each stage's state ("running", "skipped", ...)."""
+def run_to_end(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the chain to its end, its output captured (no terminal, as in `ray job logs` and CI)."""
     done = subprocess.run(cli(spec, *args), cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def run(spec: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """Run the chain to its end; returns its stdout and each stage's state ("running", "skipped", ...)."""
+    done = run_to_end(spec, *args, env=env)
     return done.stdout, stage_states(done.stdout)
 
 
@@ -95,10 +101,11 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("chain")
     spec = write_spec(base / "job.yaml", str(base / "root"))
-    stdout, states = run(spec, "--until", "eval")
+    done = run_to_end(spec, "--until", "eval")
     root = base / "root"
-    return {"spec": spec, "root": root, "stdout": stdout, "states": states,
-            "lineage": json.loads((root / "lineage.json").read_text())}  # fmt: skip
+    lineage = json.loads((root / "lineage.json").read_text())
+    return {"spec": spec, "root": root, "stdout": done.stdout, "stderr": done.stderr,
+            "states": stage_states(done.stdout), "lineage": lineage}  # fmt: skip
 
 
 @pytest.mark.ray
@@ -129,7 +136,11 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(
     scores = lineage["eval"]["scores"]
     assert scores["raylm_val_ppl"]["bits_per_byte"] > 0 and 0 <= scores["raylm_val_cloze"]["acc"] <= 1
     canary = Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl"
-    assert len(canary.read_text().splitlines()) >= 1
+    assert len(canary.read_text().splitlines()) == lineage["eval"]["items"][str(data)] >= 1
+    # Not on a terminal, the harness's progress bars went to the eval stage's harness.log, not into the job's output.
+    bar = re.compile(r"Running loglikelihood requests:\s+\d+%\|")  # a tqdm bar's start
+    assert bar.search((Path(lineage["eval"]["dir"]) / "harness.log").read_text())
+    assert not bar.search(chain["stderr"] + chain["stdout"]), chain["stderr"][-3000:]
     # Each stage's record names its key, which is its directory's name; --where names the same directory.
     for stage in ("curate", "train", "export", "eval"):
         (out,) = (root / stage).iterdir()

@@ -46,6 +46,30 @@ def test_build_takes_val_documents_in_order_and_versions_them(pipeline_dir: Path
     assert load_evalset(tmp_path / "a.jsonl") == built
 
 
+def test_a_mixture_gives_its_sources_val_documents_in_turn(pipeline_dir: Path, tmp_path: Path) -> None:
+    _, held_out = split_documents()
+    books = tmp_path / "books"  # a second curation: its own val documents
+    (books / "documents").mkdir(parents=True)
+    book_texts = [f"Book {n}: " + "a chapter of a long novel, read aloud. " * 12 for n in range(2)]
+    pq.write_table(pa.table({"text": book_texts}), books / "documents" / "val-00000.parquet")
+    empty = tmp_path / "empty"  # a source too small to leave a val document: it gives none
+    (empty / "documents").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["train only " * 40]}), empty / "documents" / "train-00000.parquet")
+
+    built = build_evalset([pipeline_dir, empty, books], tmp_path / "mix.jsonl", items=5, max_chars=2000)
+    lines = [json.loads(line) for line in (tmp_path / "mix.jsonl").read_text().splitlines()]
+    # In turn while both last (the first source's first, then the books'), then the first source's rest.
+    assert [line["id"] for line in lines] == ["0/val-00000:0", "2/val-00000:0", "0/val-00000:1", "2/val-00000:1",
+                                             "0/val-00001:1"]  # fmt: skip
+    assert [line["source"] for line in lines] == [str(p) for p in (pipeline_dir, books, pipeline_dir, books)] + [
+        str(pipeline_dir)
+    ]
+    assert [i.text for i in built.items][1::2][:2] == [t.strip() for t in book_texts]
+    assert built.items[0].text == held_out[0].strip()[: len(built.items[0].text)]
+    with pytest.raises(EvalSetError, match=r"no val document in .*empty.*empty"):
+        build_evalset([empty, empty], tmp_path / "none.jsonl")
+
+
 def test_load_rejects_an_edited_eval_set(pipeline_dir: Path, tmp_path: Path) -> None:
     build_evalset(pipeline_dir, tmp_path / "set.jsonl", items=2)
     lines = (tmp_path / "set.jsonl").read_text().splitlines()

@@ -13,4 +13,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SPEC="${1:?usage: ROOT=s3://bucket/prefix cluster/jobs/submit_job.sh JOB.yaml [--until STAGE] [--set KEY=VALUE]}"
 shift
 
-submit job -- python -m cluster.run "$SPEC" --address auto --set "root=$ROOT" "$@"
+# The Ray dashboard lists the job as raylm-<spec>-<time> (raylm-demo-20261127-054012 for cluster/jobs/demo.yaml).
+NAME="$(basename "${SPEC%.*}")"
+submit "${NAME//[^A-Za-z0-9_-]/-}" -- python -m cluster.run "$SPEC" --address auto --set "root=$ROOT" "$@"
