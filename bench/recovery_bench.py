@@ -154,9 +154,9 @@ def run_once(
     }
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, help="steps per run (default 60; --smoke: 20)")
     parser.add_argument("--interval", type=int, default=5, help="checkpoint.interval_steps")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
@@ -168,16 +168,42 @@ def main() -> int:
     parser.add_argument("--ray-defaults", action="store_true", help="Ray Train's own poll interval and start timeout")
     parser.add_argument("--smoke", action="store_true", help="smallest setting: --steps 20, 1 round")
     parser.add_argument("--json", help="also write every run's numbers here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 20 if args.smoke else 60
     if args.smoke:
-        args.steps, args.rounds = 20, 1
-    scenarios = [s for s in args.scenarios.split(",") if s]
+        args.rounds = 1
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
     if args.kill_at is None:
         args.kill_at = args.interval + (args.interval + 1) // 2
-    if not set(scenarios) <= {"fixed", "elastic"} or not args.interval <= args.kill_at < args.steps:
+    if not set(args.scenarios) <= {"fixed", "elastic"} or not args.interval <= args.kill_at < args.steps:
         parser.error("--scenarios takes fixed and/or elastic; --kill-at must be >= --interval and < --steps")
-    env = RAY_TRAIN_DEFAULTS if args.ray_defaults else TRAIN_ENV
+    return args
 
+
+def table(results: list[dict[str, Any]], args: argparse.Namespace, env: dict[str, str]) -> str:
+    lines = [
+        f"### Recovery from a lost worker node (DDP, 2 workers, {args.steps} steps, checkpoint every "
+        f"{args.interval}; Ray Train env {env})\n",
+        "| scenario | runs | recovery s (median, min-max) | steps redone / done before loss | redone share | "
+        "world size after |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for scenario in args.scenarios:
+        rows = [r for r in results if r["scenario"] == scenario]
+        rec = [r["recovery_s"] for r in rows]
+        redone = " ".join(f"{r['steps_redone']}/{r['steps_done_before_loss']}" for r in rows)
+        share = statistics.median(r["redone_share"] for r in rows)
+        lines.append(
+            f"| {scenario} | {len(rows)} | {statistics.median(rec):.1f} ({min(rec):.1f}-{max(rec):.1f}) | "
+            f"{redone} | {share:.3f} | {rows[0]['world_size_after']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    env = RAY_TRAIN_DEFAULTS if args.ray_defaults else TRAIN_ENV
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         work = Path(tmp)
@@ -185,30 +211,12 @@ def main() -> int:
         # The driver prints the cluster's node-death notices on stdout: keep stdout for the table.
         with contextlib.redirect_stdout(sys.stderr), multinode_cluster(work / "cluster") as cluster:
             for round_ in range(args.rounds):
-                for scenario in scenarios:
+                for scenario in args.scenarios:
                     print(f"round {round_ + 1}/{args.rounds}: {scenario}", file=sys.stderr, flush=True)
                     results.append(run_once(cluster, data, work / f"{scenario}-{round_}", scenario, args, env))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-
-    print(
-        f"### Recovery from a lost worker node (DDP, 2 workers, {args.steps} steps, checkpoint every "
-        f"{args.interval}; Ray Train env {env})\n"
-    )
-    print(
-        "| scenario | runs | recovery s (median, min-max) | steps redone / done before loss | redone share | "
-        "world size after |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for scenario in scenarios:
-        rows = [r for r in results if r["scenario"] == scenario]
-        rec = [r["recovery_s"] for r in rows]
-        redone = " ".join(f"{r['steps_redone']}/{r['steps_done_before_loss']}" for r in rows)
-        share = statistics.median(r["redone_share"] for r in rows)
-        print(
-            f"| {scenario} | {len(rows)} | {statistics.median(rec):.1f} ({min(rec):.1f}-{max(rec):.1f}) | "
-            f"{redone} | {share:.3f} | {rows[0]['world_size_after']} |"
-        )
+    print(table(results, args, env))
     return 0
 
 

@@ -275,19 +275,6 @@ def test_language_prefix_bench_smoke():
 
 
 @pytest.mark.ray
-def test_recovery_bench_smoke(tmp_path):
-    # --smoke: 20 steps, 1 round; one scenario (a fixed group, a replacement node), the smallest whole measurement:
-    # a multi-node cluster, a node killed after the first checkpoint, the restart timed from the bucket.
-    proc = run_script(
-        str(BENCH / "recovery_bench.py"), "--smoke", "--scenarios", "fixed", "--json", str(tmp_path / "recovery.json")
-    )
-    assert "### Recovery from a lost worker node" in proc.stdout and "| fixed | 1 |" in proc.stdout, proc.stdout
-    (run,) = json.loads((tmp_path / "recovery.json").read_text())
-    assert run["scenario"] == "fixed" and run["recovery_s"] > 0
-    assert 0 <= run["steps_redone"] <= run["steps_done_before_loss"]
-
-
-@pytest.mark.ray
 def test_recovery_pipeline_bench_smoke(tmp_path):
     # --smoke: 1 round; one scenario (the node holding a dedup index shard lost mid-pass, a replacement added) and
     # its reference run: a multi-node cluster, two pipeline jobs over the moto bucket, the rebuild timed.

@@ -6,9 +6,9 @@ moto bucket.
 Runs (tiny model, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into the run dir, one worker of
 2 CPUs per node, so 2 workers span the 2 worker nodes):
 - ``reference``: DDP-2, undisturbed (a job).
-- DDP-2 (a job): a node is killed once Ray Train has registered the first checkpoint, and a replacement node
-  is added; Ray Train restarts the group from the last checkpoint in the bucket. Same world size: losses and final
-  weights are the reference's, bit for bit.
+- DDP-2 (a job, run by bench/recovery_bench.py's ``fixed`` scenario: this is that bench's smoke test too): a node
+  is killed half-way to the second checkpoint, and a replacement node is added; Ray Train restarts the group from
+  the last checkpoint in the bucket. Same world size: losses and final weights are the reference's, bit for bit.
 - Elastic DDP, ``parallel.min_workers: 1`` (a job): a node is killed and none comes back; the group restarts on
   the one worker left, which accumulates 4 micro-batches a step instead of 2. Step count, LR schedule and tokens
   seen are the reference's; losses match it within 1e-5 (only the order of the reductions changed).
@@ -20,6 +20,8 @@ Every wait is for an event (a checkpoint registered in the bucket, a step in met
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from typing import Any
 import pytest
 import ray.cloudpickle
 import torch
-from multinode import MultiNodeCluster, multinode_cluster, python_module, wait_for
+from multinode import TRAIN_ENV, MultiNodeCluster, multinode_cluster, python_module, wait_for
 from remote_servers import upload_dir
 from safetensors.torch import load as load_safetensors
 from train_fixtures import tiny_overrides
@@ -54,6 +56,7 @@ STEPS = 30
 INTERVAL = 5  # checkpoint.interval_steps
 GLOBAL_BATCH, BLOCK = 8, 32  # tiny_overrides' data.global_batch_size and model.block_size
 JOB_TIMEOUT_S = 300
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -153,23 +156,38 @@ def assert_tokens_seen(run: Location) -> None:
     assert last["step"] == STEPS and last["tokens_seen"] == STEPS * GLOBAL_BATCH * BLOCK
 
 
-def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwise_equal(
-    cluster: MultiNodeCluster, data: str, reference: Location
-) -> None:
-    cluster.ensure_workers(2)
-    run = run_dir(cluster, "ddp_node_lost")
-    job = train_job(cluster, data, run)
-    done_before = kill_after_first_checkpoint(cluster, run)
-    cluster.add_worker()  # the spot fleet replaces the node; the fixed-size group waits for it
-    finish(cluster, job)
+def recovery_bench():
+    spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(bench)
+    return bench
 
-    [resumed] = final_info(run)["resumed_from"]
+
+def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwise_equal(
+    cluster: MultiNodeCluster, token_dir: Path, reference: Location, tmp_path: Path
+) -> None:
+    """bench/recovery_bench.py's ``fixed`` scenario at this module's steps (so this is that bench's smoke test as
+    well: a cluster of its own would cost the suite a minute for the same run). A worker node is killed half-way to
+    the second checkpoint, a replacement node is added, and the fixed-size group restarts from the checkpoints in the
+    bucket (``checkpoint.storage``; the bench keeps metrics.jsonl local, to time the restart to the step)."""
+    bench = recovery_bench()
+    args = bench.parse_args(["--steps", str(STEPS), "--interval", str(INTERVAL), "--scenarios", "fixed"])
+    result = bench.run_once(cluster, token_dir, tmp_path / "ddp_node_lost", "fixed", args, TRAIN_ENV)
+    assert result["recovery_s"] > 0 and result["world_size_after"] == 2, result
+    assert 0 <= result["steps_redone"] <= result["steps_done_before_loss"], result
+    assert "| fixed | 1 | " in bench.table([result], args, TRAIN_ENV)
+
+    run = tmp_path / "ddp_node_lost"
+    [resumed] = json.loads((run / "final" / "final.json").read_text())["resumed_from"]
     assert resumed["saved_world_size"] == resumed["world_size"] == 2
-    assert INTERVAL <= resumed["step"] <= done_before + 1 < STEPS  # from a checkpoint taken before the loss
-    assert [r["loss"] for r in records(run)] == [r["loss"] for r in records(reference)]  # bitwise
-    ours, theirs = final_weights(run), final_weights(reference)
+    assert INTERVAL <= resumed["step"] == result["resumed_from_step"] < STEPS  # a checkpoint taken before the loss
+    assert [r["loss"] for r in read_metrics(str(run))] == [r["loss"] for r in records(reference)]  # bitwise
+    ours = load_safetensors((run / "final" / "model.safetensors").read_bytes())
+    theirs = final_weights(reference)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert_tokens_seen(run)
+    assert_tokens_seen(Location(f"{cluster.bucket}/runs/{run.name}"))
 
 
 def test_an_elastic_ddp_run_continues_on_the_workers_left_keeping_the_global_batch(
