@@ -292,7 +292,7 @@ def test_serving_survives_the_loss_of_the_ingress_node(cluster: MultiNodeCluster
     for o in failed:
         assert o.exception is None, o  # no cut connection, no timeout
         assert o.started <= lost_at and o.ended >= lost_at, o
-        assert o.ended < node_added_at, o  # answered at the loss, not left waiting for a new ingress
+        assert o.ended < running_again_at, o  # answered at the loss, not left waiting for the new ingress
         assert o.error["code"] == CODE and o.error["type"] == "server_error", o
         assert "was lost" in o.error["message"] and o.request_id in o.error["message"], o
     for o in unanswered:
