@@ -214,7 +214,7 @@ def eval_material(job: Job, curated: list[StageOutput], exported: StageOutput) -
 
 
 EVAL_SCORES = "scores.json"
-HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars) when not on a terminal
+HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars), when it has no terminal
 CANARY_SET = "tasks/canary-evalset.jsonl"
 
 

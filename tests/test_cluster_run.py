@@ -137,7 +137,7 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(
     assert scores["raylm_val_ppl"]["bits_per_byte"] > 0 and 0 <= scores["raylm_val_cloze"]["acc"] <= 1
     canary = Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl"
     assert len(canary.read_text().splitlines()) == lineage["eval"]["items"][str(data)] >= 1
-    # Not on a terminal, the harness's progress bars went to the eval stage's harness.log, not into the job's output.
+    # The eval task has no terminal: the harness's progress bars went to its harness.log, not into the job's output.
     bar = re.compile(r"Running loglikelihood requests:\s+\d+%\|")  # a tqdm bar's start
     assert bar.search((Path(lineage["eval"]["dir"]) / "harness.log").read_text())
     assert not bar.search(chain["stderr"] + chain["stdout"]), chain["stderr"][-3000:]
