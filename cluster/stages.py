@@ -20,7 +20,6 @@ import contextlib
 import datetime
 import json
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +213,7 @@ def eval_material(job: Job, curated: list[StageOutput], exported: StageOutput) -
 
 
 EVAL_SCORES = "scores.json"
-HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars), when it has no terminal
+HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars)
 CANARY_SET = "tasks/canary-evalset.jsonl"
 
 
@@ -236,13 +235,10 @@ def run_eval(
             max_tokens=job.train.model.block_size - 2,  # an item, its document-start token and one generated token
         )  # fmt: skip
         hf_model = fetch_published(exported.location.join("hf"), LINEAGE)  # this node's verified copy, if remote
-        # The harness draws tqdm bars on stderr: in a terminal they redraw in place, but in `ray job logs`, CI or a Ray
-        # worker's log they are a screenful of carriage-return updates. There, its stderr goes to the stage's
-        # harness.log instead.
+        # The harness draws tqdm bars on stderr, which in this Ray task (never a terminal) are a screenful of
+        # carriage-return updates in the worker's log: its stderr goes to the stage's harness.log instead.
         harness_log = Path(scratch) / HARNESS_LOG
-        with contextlib.ExitStack() as quiet:
-            if not sys.stderr.isatty():
-                quiet.enter_context(contextlib.redirect_stderr(quiet.enter_context(harness_log.open("w"))))
+        with harness_log.open("w") as log, contextlib.redirect_stderr(log):
             results = lm_eval.simple_evaluate(
                 model="hf",
                 # add_bos_token=False: the harness puts its own prefix token (<|endoftext|>) before a rolling window.
@@ -262,8 +258,7 @@ def run_eval(
         items = collections.Counter(json.loads(line)["source"] for line in canary if line.strip())
         for path in sorted(tasks.iterdir()):
             out.join("tasks", path.name).upload_from(path)
-        if harness_log.exists():
-            out.join(HARNESS_LOG).upload_from(harness_log)
+        out.join(HARNESS_LOG).upload_from(harness_log)
     out.join(EVAL_SCORES).write_json(scores)
     return [EVAL_SCORES, CANARY_SET], {
         "scores": scores,

@@ -95,7 +95,7 @@ def build_evalset(
     Several data dirs (a mixture's curations, which share one tokenizer) give their documents in turn, one each
     while they last, so that every source with val documents is scored; a source with none gives no item, and
     each line's ``source`` says which dir it came from."""
-    roots = [Location(d) for d in ([data_dirs] if isinstance(data_dirs, (str, Path, Location)) else data_dirs)]
+    roots = [Location(d) for d in ([data_dirs] if isinstance(data_dirs, DataDir) else data_dirs)]
     count_tokens = _token_counter(roots[0].uri) if max_tokens is not None else None
     several = len(roots) > 1
     found: list[list[tuple[str, str, str]]] = []  # per dir: (id, text, source)

@@ -31,6 +31,7 @@ stopped, the driver disconnects, every node is killed, moto stops, the environme
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import psutil
@@ -277,6 +279,17 @@ def s3_environment(endpoint: str) -> dict[str, str]:
         "AWS_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata probing for credentials
     }
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py as a module: a recovery bench's scenario is also a node-loss test here (and that test is the
+    bench's smoke test), run on the test's cluster."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[name] = bench  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -41,7 +41,6 @@ The times (loss to answers, to Serve replacing, to serving again) and the share 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import subprocess
@@ -59,6 +58,7 @@ from multinode import (
     Load,
     MultiNodeCluster,
     ServingApp,
+    load_bench,
     multinode_cluster,
     publish_export,
     python_module,
@@ -72,7 +72,6 @@ from serve.proxy_guard import CODE, STATUS
 
 pytestmark = pytest.mark.ray
 
-REPO = Path(__file__).resolve().parents[1]
 
 # The untrained 4-layer, 1024-context test model (head size 32, which vLLM's CPU attention has): 600 greedy tokens
 # take seconds even alone on an idle engine, so the probes are still running when their engine's node is killed.
@@ -112,14 +111,6 @@ def counted_since(now: dict[str, float], before: dict[str, float]) -> dict[str, 
     return {k: v - before.get(k, 0.0) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
-def recovery_serve_bench():
-    spec = importlib.util.spec_from_file_location("recovery_serve_bench", REPO / "bench" / "recovery_serve_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_serving_survives_the_loss_of_an_engine_node(
     cluster: MultiNodeCluster, serving: ServingApp, evalset: Path
 ) -> None:
@@ -127,7 +118,7 @@ def test_serving_survives_the_loss_of_an_engine_node(
     cluster and two engines of its own would cost the suite minutes for the same scenario): the load, an engine's node
     killed once it holds a stream and a non-streamed request, a replacement node 5 s later, the replacement serving.
     The bench's numbers and table are checked first, then every request's outcome."""
-    bench = recovery_serve_bench()
+    bench = load_bench("recovery_serve_bench")
     args = bench.parse_args(["--smoke"])
     assert (args.stream_clients, args.plain_clients, args.max_tokens) == (STREAM_CLIENTS, PLAIN_CLIENTS, MAX_TOKENS)
     serving.wait_ready()

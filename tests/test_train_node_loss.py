@@ -20,7 +20,6 @@ Every wait is for an event (a checkpoint registered in the bucket, a step in met
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import pytest
 import ray.cloudpickle
 import torch
-from multinode import TRAIN_ENV, MultiNodeCluster, multinode_cluster, python_module, wait_for
+from multinode import TRAIN_ENV, MultiNodeCluster, load_bench, multinode_cluster, python_module, wait_for
 from remote_servers import upload_dir
 from safetensors.torch import load as load_safetensors
 from train_fixtures import tiny_overrides
@@ -56,7 +55,6 @@ STEPS = 30
 INTERVAL = 5  # checkpoint.interval_steps
 GLOBAL_BATCH, BLOCK = 8, 32  # tiny_overrides' data.global_batch_size and model.block_size
 JOB_TIMEOUT_S = 300
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +154,6 @@ def assert_tokens_seen(run: Location) -> None:
     assert last["step"] == STEPS and last["tokens_seen"] == STEPS * GLOBAL_BATCH * BLOCK
 
 
-def recovery_bench():
-    spec = importlib.util.spec_from_file_location("recovery_bench", REPO / "bench" / "recovery_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwise_equal(
     cluster: MultiNodeCluster, token_dir: Path, reference: Location, tmp_path: Path
 ) -> None:
@@ -172,7 +161,7 @@ def test_a_ddp_run_restarts_from_the_bucket_on_a_replacement_node_and_ends_bitwi
     well: a cluster of its own would cost the suite a minute for the same run). A worker node is killed half-way to
     the second checkpoint, a replacement node is added, and the fixed-size group restarts from the checkpoints in the
     bucket (``checkpoint.storage``; the bench keeps metrics.jsonl local, to time the restart to the step)."""
-    bench = recovery_bench()
+    bench = load_bench("recovery_bench")
     args = bench.parse_args(["--steps", str(STEPS), "--interval", str(INTERVAL), "--scenarios", "fixed"])
     result = bench.run_once(cluster, token_dir, tmp_path / "ddp_node_lost", "fixed", args, TRAIN_ENV)
     assert result["recovery_s"] > 0 and result["world_size_after"] == 2, result
