@@ -13,9 +13,10 @@ A round: ``--stream-clients`` + ``--plain-clients`` client threads send completi
 ``ignore_eos``, bounded connect/read timeouts) and record every request's outcome, timestamps and SSE chunks. Once
 both engines have answered, ``multinode.arrange_loss`` pauses and drains the load, sends probes one at a time until
 one engine replica is known to hold a stream and a non-streaming request (each probe's engine is the one whose count
-of requests in hand rose: the ingress answers for both), resumes the load, and after a random wait of up to 40 % of a
-request's duration (``--seed``: the kill then lands at a random point of the stream) that engine's node is killed: a
-VM loss, every process SIGKILLed at once, then GCS declares it dead. ``--replace-after`` seconds after the kill a
+of requests in hand rose: the ingress answers for both), resumes the load, and once that stream has sent a random
+number of chunks, up to 40 % of its tokens (``--seed``: the kill lands at a random point of the stream, counted in
+tokens, as a wait in seconds would depend on how fast the probes run), that engine's node is killed: a VM loss, every
+process SIGKILLed at once, then GCS declares it dead. ``--replace-after`` seconds after the kill a
 replacement node is added (the spot fleet's replacement); the load runs until the replacement replica has taken a
 request and every request in flight then has ended, plus ``--settle`` seconds, then the clients stop and finish what
 they have in flight. Measured per round (times from the kill):
@@ -106,11 +107,10 @@ def run_round(
             "responses, and requests on each engine",
             0.2,
         )
-        # The kill lands at a random point of the victim's stream: a random wait of up to 40 % of a request's
-        # duration once the probes are placed (arrange_loss starts over if the stream is past half of its tokens).
-        durations = [r.ended - r.started for r in load.snapshot() if r.ok]
-        wait_s = rng.uniform(0.0, 0.4 * statistics.median(durations))
-        victim, stream_probe, plain_probe = arrange_loss(load, app, engines, args.max_tokens, wait_s=wait_s)
+        # The kill lands at a random point of the victim's stream, counted in its chunks: a wait in seconds would
+        # depend on how fast the probes run, alone while they are placed, then among the resumed load.
+        at_chunk = rng.randint(1, max(1, int(0.4 * args.max_tokens)))
+        victim, stream_probe, plain_probe = arrange_loss(load, app, engines, args.max_tokens, at_chunk=at_chunk)
         (survivor,) = [e for e in engines if e != victim]
         victim_node, survivor_node = cluster.worker_on(placed[victim]), cluster.worker_on(placed[survivor])
         details |= {"load": load, "stream_probe": stream_probe, "plain_probe": plain_probe}
@@ -170,7 +170,7 @@ def run_round(
         "probes_lost": not stream_probe.ok and not plain_probe.ok,
         # Every request in flight when the replacement took its first one succeeded (that one among them).
         "replacement_first_ok": all(r.ok for r in first_there),
-        "wait_before_loss_s": wait_s,
+        "loss_at_chunk": at_chunk,
         "declared_dead_s": declared_dead_at - lost_at,
         "serve_replacing_s": None if serve_replacing_at is None else serve_replacing_at - lost_at,
         "node_added_s": node_added_at - lost_at,
@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plain-clients", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=600, help="tokens per request: seconds of generation (600)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences vLLM decodes together per replica (8)")
-    parser.add_argument("--seed", type=int, default=0, help="for the random wait before each kill (0)")
+    parser.add_argument("--seed", type=int, default=0, help="picks the point of the stream where each kill lands (0)")
     parser.add_argument("--smoke", action="store_true", help="smallest setting: 1 round, 1 s settle")
     parser.add_argument("--json", help="also write every round's numbers here")
     args = parser.parse_args(argv)

@@ -34,6 +34,11 @@ def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
         **opts.engine_kwargs,
         "max_num_seqs": opts.max_batch_size,
         "chat_template": chat_template_jinja(opts.chat_message_template, opts.chat_assistant_prefix),
+        # Each non-streamed response's system_fingerprint names the weights that answered it, the export's lineage
+        # id: during a rolling update the ingress is already new while old engine replicas still answer (the canary
+        # discards a run that mixed the two).
+        "fingerprint_mode": "custom",
+        "fingerprint_value": export.lineage_id,
     }
     if opts.tracing.endpoint:
         # vLLM's own span per request (llm_request: its queue, prefill and decode times), a child of the ingress's

@@ -11,10 +11,12 @@ as ``raylm_canary_score``, with items passed/total, run duration and last-succes
 ``eval_set="<name>@<version>"``, ``gen_ai_request_model`` and ``raylm_lineage_id``. Scoring is
 deterministic (no sampling), so a changed score means a changed model, not noise.
 
-A run counts only if every item scored and the lineage id was the same before and after: a run that
-straddles a model swap measures neither model. Failed runs leave the gauges alone (the staleness alert
-then fires on ``raylm_canary_last_success_timestamp_seconds``) and bump ``raylm_canary_runs_total
-{result="failure"}``.
+A run counts only if every item scored, the lineage id was the same before and after, and every item was
+scored by that lineage's weights (each response's ``system_fingerprint`` is the lineage id of the engine replica
+that answered it: during a rolling update the new ingress already reports the new lineage while old engine
+replicas still answer some requests): a run that straddles a model swap measures neither model. Failed runs leave
+the gauges alone (the staleness alert then fires on ``raylm_canary_last_success_timestamp_seconds``) and bump
+``raylm_canary_runs_total{result="failure"}``.
 
 The gauges use prometheus_client directly, not the OTel SDK the server uses: when the served lineage
 changes, the old lineage's series must disappear (or its frozen last-success time would look stale
@@ -36,7 +38,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -100,8 +102,14 @@ class ScoreError(RuntimeError):
     pass
 
 
-def score_text(session: requests.Session, endpoint: str, model: str, text: str, timeout: float) -> tuple[float, int]:
-    """(sum of log-probabilities, tokens scored) of ``text`` as a document, from the endpoint's prompt logprobs.
+class TextScore(NamedTuple):
+    logprob: float  # the sum of the text's tokens' log-probabilities
+    tokens: int  # how many tokens were scored
+    lineage_id: str | None  # the response's system_fingerprint: the lineage of the weights that answered
+
+
+def score_text(session: requests.Session, endpoint: str, model: str, text: str, timeout: float) -> TextScore:
+    """The text's log-likelihood as a document, from the endpoint's prompt logprobs.
 
     The server puts the document-start token before a text prompt (the export's tokenizer does); the engine has no
     log-probability for the first position, so the text's own tokens, every one conditioned on what precedes it,
@@ -126,7 +134,7 @@ def score_text(session: requests.Session, endpoint: str, model: str, text: str, 
     scored = [lp for lp in logprobs[1:] if lp is not None]
     if len(scored) != prompt_tokens - 1 or not scored or not all(math.isfinite(lp) for lp in scored):
         raise ScoreError(f"the endpoint returned {len(scored)} finite log-probabilities for {prompt_tokens - 1} tokens")
-    return float(sum(scored)), len(scored)
+    return TextScore(float(sum(scored)), len(scored), data.get("system_fingerprint"))
 
 
 class Canary:
@@ -169,13 +177,16 @@ class Canary:
             total_logprob, total_tokens, passed, failures = 0.0, 0, 0, []
             for item in self.evalset.items:
                 try:
-                    logprob, tokens = score_text(self._session, self.endpoint, model, item.text, self.timeout)
+                    scored = score_text(self._session, self.endpoint, model, item.text, self.timeout)
                 except ScoreError as exc:
                     failures.append(f"{item.id}: {exc}")
                     continue
+                if scored.lineage_id != lineage:
+                    failures.append(f"{item.id}: scored by lineage {scored.lineage_id}, not the served {lineage}")
+                    continue
                 passed += 1
-                total_logprob += logprob
-                total_tokens += tokens
+                total_logprob += scored.logprob
+                total_tokens += scored.tokens
             if self._model() != (model, lineage):
                 failures.append("the served model changed during the run")
         except (requests.RequestException, ValueError, KeyError, IndexError) as exc:

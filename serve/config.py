@@ -194,6 +194,9 @@ class AppArgs(BaseModel):
         for key, field in ours.items():
             if key in value:
                 raise ValueError(f"{key} is set by raylm from {field}: set {field} instead")
+        for key in ("fingerprint_mode", "fingerprint_value"):
+            if key in value:
+                raise ValueError(f"{key} is set by raylm: a response's system_fingerprint is the export's lineage id")
         return value
 
     @field_validator("chat_stop")

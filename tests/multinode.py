@@ -797,7 +797,7 @@ def _probe(load: Load, app: ServingApp, engines: Sequence[str], stream: bool, he
 
 
 def arrange_loss(
-    load: Load, app: ServingApp, engines: Sequence[str], max_tokens: int, wait_s: float = 0.0, attempts: int = 3
+    load: Load, app: ServingApp, engines: Sequence[str], max_tokens: int, at_chunk: int = 1, attempts: int = 3
 ) -> tuple[str, Request, Request]:
     """Put a stream and a non-streaming request on one engine replica, knowing it exactly, before its node is lost.
 
@@ -806,10 +806,11 @@ def arrange_loss(
     (``ServingApp.ongoing``), and only while nothing else changes them: the load is paused and drained, then probes
     go one at a time, each one's engine being the one whose count rose by one, until an engine holds both kinds
     (Serve's router gives a new request to the less busy of the two, so that takes 2 to 4 probes). Then the load
-    resumes, and after ``wait_s`` (the bench's random wait, which puts the loss at a random point of the stream) this
-    returns the engine and its two probes once the stream has sent a chunk and the other engines have requests of the
-    resumed load again, with both probes still in flight and the stream short of half its tokens (else it starts
-    over, up to ``attempts`` times)."""
+    resumes, and this returns the engine and its two probes once the stream has sent ``at_chunk`` chunks (the bench's
+    random point of the stream; counted in chunks, as the probes run faster alone than among the load) and the other
+    engines have requests of the resumed load again, with both probes still in flight and the stream short of half
+    its tokens (else it starts over, up to ``attempts`` times; the error names why each try failed)."""
+    tries: list[str] = []
     for _ in range(attempts):
         load.pause()
         try:
@@ -827,16 +828,21 @@ def arrange_loss(
         finally:
             load.resume()
         if placed is None:
+            tries.append(f"probes not placed ({ {e: [r.stream for r in reqs] for e, reqs in held.items()} })")
             continue
         stream_probe = next(r for r in held[placed] if r.stream)
         plain_probe = next(r for r in held[placed] if not r.stream)
         others = [e for e in engines if e != placed]
-        time.sleep(wait_s)
 
         def resumed(stream_probe: Request = stream_probe, others: list[str] = others) -> bool:
-            return stream_probe.chunks >= 1 and all(app.ongoing(others).values())
+            reached = stream_probe.chunks >= at_chunk or stream_probe.ended is not None
+            return reached and all(app.ongoing(others).values())
 
-        wait_for(resumed, 30, "the load back on the other engines", 0.02)
+        wait_for(resumed, 60, "the stream at its chunk and the load back on the other engines", 0.02)
         if stream_probe.ended is None and plain_probe.ended is None and stream_probe.chunks < max_tokens // 2:
             return placed, stream_probe, plain_probe
-    raise AssertionError(f"could not place a stream and a non-streaming request on one engine in {attempts} tries")
+        tries.append(
+            f"stream at {stream_probe.chunks}/{max_tokens} chunks (wanted {at_chunk}), ended: stream "
+            f"{stream_probe.ended is not None}, non-streaming {plain_probe.ended is not None}"
+        )
+    raise AssertionError(f"could not place a stream and a non-streaming request on one engine: {'; '.join(tries)}")

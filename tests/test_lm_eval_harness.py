@@ -27,6 +27,7 @@ from train_fixtures import load_documents, tiny_overrides
 from serve.canary import Canary, score_text
 from serve.evalset import load_evalset
 from serve.harness_tasks import CLOZE_TASK, PPL_TASK, build_tasks
+from serve.model_dir import read_export
 from train.config import load_config
 from train.export import export
 from train.final import train_to_completion
@@ -63,7 +64,8 @@ def setup(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     raylm_dir, hf_dir = export(root / "run", root / "model"), export(root / "run", root / "model-hf", "hf")
     tasks = build_tasks(data, root / "tasks", items=16, max_tokens=BLOCK - 2)
     with running_app({"model": str(raylm_dir), "metrics_sd_dir": None}) as url:
-        yield {"url": url, "hf": hf_dir, "tasks": tasks, "model": raylm_dir.name}
+        lineage_id = read_export(raylm_dir).lineage_id
+        yield {"url": url, "hf": hf_dir, "tasks": tasks, "model": raylm_dir.name, "lineage_id": lineage_id}
 
 
 def evaluate(setup: dict[str, Any], backend: str) -> dict[str, Any]:
@@ -126,7 +128,8 @@ def test_the_canary_scores_what_the_harness_scores(setup: dict[str, Any], result
     total_logprob = total_tokens = 0.0
     session = requests.Session()
     for item in evalset.items:
-        logprob, tokens = score_text(session, setup["url"], setup["model"], item.text, timeout=60)
+        logprob, tokens, lineage_id = score_text(session, setup["url"], setup["model"], item.text, timeout=60)
+        assert lineage_id == setup["lineage_id"]  # the response names the weights that scored it
         for backend, loglik in harness.items():
             assert logprob == pytest.approx(loglik[item.text], rel=REL_TOL), (backend, item.id)
         total_logprob += logprob

@@ -180,6 +180,10 @@ def test_health_and_models_list_the_lineage(base_url: str, client: openai.OpenAI
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4")
     assert err.value.body["code"] == "model_not_found"
+    # Each answer names the weights that gave it (what the canary checks through a rolling update).
+    completion = client.completions.create(model=MODEL, prompt="The town", max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert completion.system_fingerprint == chat.system_fingerprint == export.lineage_id
 
 
 def test_api_keys_are_required_on_the_api_and_not_on_health(base_url: str) -> None:

@@ -84,6 +84,9 @@ def test_engine_arguments_raylm_sets_are_refused_naming_the_field() -> None:
     for key, field in (("max_num_seqs", "max_batch_size"), ("chat_template", "chat_message_template")):
         with pytest.raises(ConfigError, match=f"{key} is set by raylm from {field}"):
             app_args(parse_args(["--model", "m", "--set", f"engine_kwargs.{key}=4"]))
+    lineage_named = "fingerprint_value is set by raylm: a response's system_fingerprint is the export's lineage id"
+    with pytest.raises(ConfigError, match=lineage_named):
+        app_args(parse_args(["--model", "m", "--set", "engine_kwargs.fingerprint_value=x"]))
     eager = AppArgs.model_validate(app_args(parse_args(["--model", "m", "--enforce-eager"])))
     assert eager.engine_kwargs == {"enforce_eager": True}
 

@@ -530,20 +530,25 @@ def test_a_worse_model_rolled_out_under_load_drops_no_request_and_fires_the_cana
     assert all(reason == "length" for _, reason in load.outcomes), load.outcomes  # every stream got all its tokens
     assert load.health and all(status == 200 for status in load.health), load.health  # never out of rotation
 
-    def firing() -> list[dict]:
-        return [
-            a
-            for a in alerts(prom)
-            if a["labels"]["alertname"] == "RayLMCanaryScoreRegression" and a["state"] == "firing"
-        ]
+    def firing() -> dict[str, list[dict]] | None:
+        # Both rules of the canary's group; the API can answer between the two rules of one evaluation.
+        names = ("RayLMCanaryScoreRegression", "RayLMCanaryBelowMinimum")
+        active = alerts(prom)
+        by_name = {n: [a for a in active if a["labels"]["alertname"] == n and a["state"] == "firing"] for n in names}
+        return by_name if all(by_name.values()) else None
 
-    (alert,) = wait_for(firing, timeout=60, what="RayLMCanaryScoreRegression firing")
-    below = [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMCanaryBelowMinimum"]
+    fired = wait_for(firing, timeout=60, what="RayLMCanaryScoreRegression and RayLMCanaryBelowMinimum firing")
+    (alert,), below = fired["RayLMCanaryScoreRegression"], fired["RayLMCanaryBelowMinimum"]
     assert [a["labels"]["raylm_lineage_id"] for a in below] == [bad]
     assert alert["labels"]["raylm_lineage_id"] == bad
     assert alert["labels"]["severity"] == "critical"
     bad_score = scalar(prom, f'raylm_canary_score{{raylm_lineage_id="{bad}"}}')
     assert bad_score < good_score - 0.5, (good_score, bad_score)
+    # Every score published for the new lineage is the new model's: no run scored partly by the old engine replicas
+    # (those that still answered during the update) was published as the new lineage's.
+    series = f'raylm_canary_score{{raylm_lineage_id="{bad}"}}[15m]'
+    spread = scalar(prom, f"max_over_time({series}) - min_over_time({series})")
+    assert spread is not None and spread < 0.05, (spread, bad_score)
     # The canary dropped the replaced lineage's series instead of leaving them frozen.
     wait_for(lambda: not query(prom, f'raylm_canary_score{{raylm_lineage_id="{good}"}}'), what="old series gone")
     assert not [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMCanaryStale"]
