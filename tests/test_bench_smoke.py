@@ -184,9 +184,9 @@ def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
 
 @pytest.mark.ray
 def test_serve_bench_smoke(tmp_path):
-    # --smoke: the three sides (raylm, a plain Ray Serve LLM app, raw vLLM) one after another on a tiny untrained model
-    # (head size 32), 1 round at concurrency 1, 3 streamed requests of 8 tokens. Three vLLM starts (~1 min each on 2
-    # busy cores, ~5 min in all): its own time limit, not the other scripts' LIMIT_S.
+    # --smoke: two sides (raylm, raw vLLM; the plain Ray Serve LLM app runs as raylm's side does, with another app)
+    # one after another on a tiny untrained model (head size 32), 1 round at concurrency 1, 3 streamed requests of 8
+    # tokens. Two vLLM starts (~40 s each on 2 busy cores, up to minutes in all): its own time limit, not LIMIT_S.
     import math
 
     results = tmp_path / "serve.json"
@@ -204,11 +204,10 @@ def test_serve_bench_smoke(tmp_path):
     )
     out = proc.stdout
     assert "### Start-up" in out and "### Per concurrency" in out and "### Where the CPU goes" in out, out
-    for pair in ("raylm / plain", "raylm / raw", "plain / raw"):
-        assert f"| {pair} | 1 | " in out, out
+    assert "| raylm / raw | 1 | " in out and "plain" not in out.split("### Per concurrency")[1], out
     data = json.loads(results.read_text())
     (round_,) = data["rounds"]
-    assert set(round_["sides"]) == {"raylm", "plain", "raw"}
+    assert set(round_["sides"]) == {"raylm", "raw"}
     max_tokens = data["config"]["max_tokens"]
     for side, result in round_["sides"].items():
         assert "error" not in result and result["startup_s"] > 0, (side, result)
