@@ -32,6 +32,7 @@ from ground.overrides import (
     validation_problems,
 )
 from pipeline.config import PipelineConfig
+from pipeline.steps.tokenize import TOKENIZER_KEYS
 from train.config import TrainConfig
 
 STAGES = ("plan", "curate", "train", "export", "eval", "serve")
@@ -68,10 +69,16 @@ class _Inputs(BaseModel):
 
 
 class MixtureSourceSection(_Inputs, _Strict):
-    """One source of a data mixture: its inputs, curated with the section's pipeline config, and its weight."""
+    """One source of a data mixture: its inputs, curated with the section's pipeline config (and its own keys over
+    it), and its weight."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="the source's name in the mixture")
     weight: float = Field(gt=0, description="its share of each training step's sequences, relative to the others'")
+    pipeline: dict[str, Any] = Field(
+        default_factory=dict,
+        description="this source's pipeline keys over the data section's (its quality thresholds, its val_fraction); "
+        "not the tokenizer's keys: the sources share one tokenizer",
+    )
 
 
 class DataSection(_Inputs, _StageSection):
@@ -84,12 +91,14 @@ class DataSection(_Inputs, _StageSection):
 
 @dataclass(frozen=True)
 class DataSource:
-    """What one curation reads: the spec's inputs, or one source of its mixture (``weight`` None: no mixture)."""
+    """What one curation reads, and with which pipeline config: the spec's inputs, or one source of its mixture
+    (``weight`` None: no mixture)."""
 
     name: str
     inputs: str | None
     input_list: str | None
     base_url: str | None
+    config: PipelineConfig
     weight: float | None = None
 
 
@@ -120,7 +129,7 @@ class Job:
         self.spec = spec
         self.source = source
         self.pipeline = _validated(PipelineConfig, spec.data.stage_keys(), "data", source)
-        self.sources = data_sources(spec.data, source)
+        self.sources = data_sources(spec.data, self.pipeline, source)
         train_keys = spec.train.stage_keys()
         for dotted in TRAIN_KEYS_SET_BY_THE_JOB:
             if _has(train_keys, dotted):
@@ -149,24 +158,50 @@ class Job:
         return Path(self.source).stem
 
 
-def data_sources(data: DataSection, source: str) -> list[DataSource]:
-    """The curations a spec asks for: its inputs, or each source of its mixture (names unique, no inputs beside)."""
+def data_sources(data: DataSection, pipeline: PipelineConfig, source: str) -> list[DataSource]:
+    """The curations a spec asks for: its inputs, or each source of its mixture (names unique, no inputs beside),
+    each with its pipeline config: ``pipeline``, the data section's, with a source's own keys over it."""
     if not data.sources:
         if not (data.inputs or data.input_list):
             raise SpecError(
                 f"{source}: data.inputs: give the inputs (a dir, file, glob or URI), data.input_list, or data.sources"
             )
-        return [DataSource("data", data.inputs, data.input_list, data.base_url)]
+        return [DataSource("data", data.inputs, data.input_list, data.base_url, pipeline)]
     beside = [key for key in ("inputs", "input_list", "base_url") if getattr(data, key) is not None]
     if beside:
         raise SpecError(f"{source}: data.{beside[0]}: a mixture's inputs are in data.sources; give them there")
     names = [s.name for s in data.sources]
+    out = []
     for i, s in enumerate(data.sources):
         if names.index(s.name) != i:
             raise SpecError(f"{source}: data.sources[{i}].name: {s.name!r} names two sources")
         if not (s.inputs or s.input_list):
             raise SpecError(f"{source}: data.sources[{i}].inputs: give the source's inputs or its input_list")
-    return [DataSource(s.name, s.inputs, s.input_list, s.base_url, s.weight) for s in data.sources]
+        config = source_pipeline(data, pipeline, s, i, source)
+        out.append(DataSource(s.name, s.inputs, s.input_list, s.base_url, config, s.weight))
+    return out
+
+
+def source_pipeline(
+    data: DataSection, pipeline: PipelineConfig, section: MixtureSourceSection, i: int, source: str
+) -> PipelineConfig:
+    """A mixture source's pipeline config: the data section's (``pipeline``, made from ``data``'s keys), with the
+    source's own ``pipeline`` keys over those keys."""
+    own = dotted_keys(section.pipeline)
+    where = f"data.sources[{i}].pipeline"
+    shared = [key for key in own if key in {"tokenize", *(f"tokenize.{k}" for k in TOKENIZER_KEYS)}]
+    if shared:
+        raise SpecError(
+            f"{source}: {where}.{shared[0]}: a mixture's sources share one tokenizer (a model has one embedding "
+            f"table): set it in data.tokenize"
+        )
+    if not own:
+        return pipeline
+    try:
+        keys = apply_overrides(data.stage_keys(), own)
+    except ConfigError as exc:
+        raise SpecError(f"{source}: {where}: {exc}") from exc
+    return _validated(PipelineConfig, keys, where, source)
 
 
 def load_job(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Job:

@@ -119,8 +119,8 @@ def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | No
     which the run then reuses instead of listing them again."""
     from pipeline.run_inputs import gather_inputs
 
-    gathered = gather_inputs(source.inputs, job.pipeline, input_list=source.input_list, base_url=source.base_url)
-    material: dict[str, Any] = {"pipeline": gathered.identity(job.pipeline)}
+    gathered = gather_inputs(source.inputs, source.config, input_list=source.input_list, base_url=source.base_url)
+    material: dict[str, Any] = {"pipeline": gathered.identity(source.config)}
     if tokenizer_of is not None:
         # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
         material["tokenizer_of"] = tokenizer_of.key
@@ -133,12 +133,12 @@ def tokenizer_source(job: Job, curated: list[StageOutput]) -> StageOutput | None
     return curated[0] if curated and not job.pipeline.tokenize.tokenizer_path else None
 
 
-def source_config(job: Job, tokenizer_of: StageOutput | None) -> Any:
-    """The pipeline config one source runs with: the spec's, loading ``tokenizer_of``'s tokenizer if it has one."""
+def source_config(source: DataSource, tokenizer_of: StageOutput | None) -> Any:
+    """The pipeline config one source runs with: its own, loading ``tokenizer_of``'s tokenizer if it has one."""
     if tokenizer_of is None:
-        return job.pipeline
-    tokenize = job.pipeline.tokenize.model_copy(update={"tokenizer_path": tokenizer_of.location.join(TOKENIZER).uri})
-    return job.pipeline.model_copy(update={"tokenize": tokenize})
+        return source.config
+    tokenize = source.config.tokenize.model_copy(update={"tokenizer_path": tokenizer_of.location.join(TOKENIZER).uri})
+    return source.config.model_copy(update={"tokenize": tokenize})
 
 
 def run_curate(
@@ -150,7 +150,7 @@ def run_curate(
         report = out.join("report.json").read_json()
     else:
         report = PipelineRun(
-            source.inputs, out.uri, source_config(job, tokenizer_of), console=stderr_console(),
+            source.inputs, out.uri, source_config(source, tokenizer_of), console=stderr_console(),
             input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=gathered,
             name=f"{job.name} curate" + (f" {source.name}" if job.is_mixture else ""),
         ).run()  # fmt: skip

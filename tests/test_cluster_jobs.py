@@ -142,13 +142,17 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
         "html": {p.name for p in SAMPLE.glob("*.warc.gz")},
     }
     assert manifests[0]["tokenizer"]["sha256"] == manifests[1]["tokenizer"]["sha256"]
-    # The eval stage scores the sources' val documents in turn: the four small WET files leave none, so the HTML
-    # source gives every item, and the canary set it wrote says so line by line.
+    # The WET source's own key (tokenize.val_fraction 0.3, over the section's 0.1, at which its four small files
+    # leave no val document): its curation kept some for validation, the HTML source's the section's share.
+    assert [m["config"]["tokenize"]["val_fraction"] for m in manifests] == [0.1, 0.3]
+    # The eval stage scores the sources' val documents in turn, so both give items, and the canary set it wrote
+    # says which line by line.
     items = lineage["eval"]["items"]
-    canary = (Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").read_text().splitlines()
-    assert items == {sources[0]["dir"]: len(canary), sources[1]["dir"]: 0} and canary, items
-    assert {json.loads(line)["source"] for line in canary} == {sources[0]["dir"]}
-    assert all(json.loads(line)["id"].startswith("0/") for line in canary)
+    canary = [json.loads(line) for line in (Path(lineage["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").open()]
+    assert set(items) == {s["dir"] for s in sources} and all(items.values()), items
+    assert sum(items.values()) == len(canary)
+    for n, s in enumerate(sources):
+        assert [c["id"].split("/")[0] for c in canary if c["source"] == s["dir"]] == [str(n)] * items[s["dir"]]
     assert lineage["eval"]["scores"]["raylm_val_ppl"]["word_perplexity"] > 1
     assert all(sum(s["tokens"] for s in m["shards"]) > 1_000 for m in manifests)
     run = Path(lineage["train"]["run_dir"])

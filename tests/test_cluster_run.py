@@ -62,6 +62,11 @@ MIXTURE: dict[str, Any] = {
 }
 
 
+def first_source_with(**keys: Any) -> dict[str, Any]:
+    """A data section of MIXTURE's first source alone, with ``keys`` added to that source."""
+    return {**MIXTURE, "sources": [{**MIXTURE["sources"][0], **keys}]}
+
+
 def write_spec(path: Path, root: str, **sections: Any) -> Path:
     path.write_text(yaml.safe_dump({"root": root, **SPEC, **sections}))
     return path
@@ -389,6 +394,21 @@ def refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, **se
         ([], {"data": {"sources": [{"name": "a b", "inputs": "x", "weight": 1}]}}, "data.sources.0.name"),
         ([], {"data": {"sources": [{"name": "wet", "inputs": "x", "weight": 0}]}}, "data.sources.0.weight"),
         (
+            [],
+            {"data": first_source_with(pipeline={"tokenize": {"vocab_size": 512}})},
+            "data.sources[0].pipeline.tokenize.vocab_size: a mixture's sources share one tokenizer",
+        ),
+        (
+            [],
+            {"data": first_source_with(pipeline={"language": {"min_scor": 0.5}})},
+            "data.sources[0].pipeline.language.min_scor: unknown key",
+        ),
+        (
+            [],
+            {"data": first_source_with(pipeline={"tokenize": {"val_fraction": 2}})},
+            "data.sources[0].pipeline.tokenize.val_fraction: Input should be less than 1",
+        ),
+        (
             ["--set", "train.data.global_batch_size=1", "--set", "train.data.micro_batch_size=1"],
             {"data": MIXTURE},
             "global_batch_size 1 is too small to mix 2 sources",
@@ -453,3 +473,10 @@ def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sou
     second = {**MIXTURE["sources"][1], "inputs": str(SAMPLE / "cc_en_head-*.wet.gz")}
     changed = where("curate", {**MIXTURE, "sources": [MIXTURE["sources"][0], second]})
     assert changed[0] == curated[0] and changed[1] != curated[1]
+    # A source's own pipeline key (over the section's): that source's curation is another one, the first's is not.
+    own = {**MIXTURE["sources"][1], "pipeline": {"language": {"min_score": 0.5}}}
+    changed = where("curate", {**MIXTURE, "sources": [MIXTURE["sources"][0], own]})
+    assert changed[0] == curated[0] and changed[1] != curated[1]
+    # The same key on the section: both curations change.
+    changed = where("curate", {**MIXTURE, "language": {"min_score": 0.5}})
+    assert changed[0] != curated[0] and changed[1] != curated[1]

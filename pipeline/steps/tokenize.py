@@ -15,6 +15,10 @@ from ground.formats import EOT
 from ground.storage import Location
 from pipeline.steps.base import Doc, Step
 
+# The keys that make the tokenizer (the rest say how documents are split and sharded): the sources of a mixture
+# share these, since a model has one embedding table.
+TOKENIZER_KEYS = ("vocab_size", "min_frequency", "train_max_chars", "tokenizer_path")
+
 
 class TokenizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
