@@ -212,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_triton_notes_without_a_gpu()
     with root_logging_kept():  # ray.serve.llm, imported here once, replaces the root logger's handlers
         importlib.import_module("serve.app")
-    # Serve LLM's driver-side INFO (each deployment's options, pretty-printed) would fill the terminal between the
-    # job's stages and the smoke's completion; its warnings still show.
+    # Serve's and Serve LLM's driver-side INFO (Serve started; "connecting to existing Serve app", which serve.run
+    # says of the Serve just started with this process's options; the app ready at its URL; each deployment's options,
+    # pretty-printed) would fill the terminal between the job's stages and the smoke's completion, and the endpoint line
+    # printed once the app runs says where it is. Their warnings (a replica slow to start, say) still show.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     logging.getLogger("ray.serve.ray.llm").setLevel(logging.WARNING)
     try:
         built = app_args(args)

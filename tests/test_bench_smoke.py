@@ -299,7 +299,7 @@ def test_train_gpu_bench_smoke(tmp_path, token_dir):
     out = tmp_path / "out"
     proc = run_script(str(BENCH / "train_gpu_bench.py"), "--smoke", "--data", str(token_dir), "--out", str(out))
     result = json.loads((out / "train_gpu_bench.json").read_text())
-    assert list(result["ways"]) == ["bare", "single", "fsdp"], proc.stdout
+    assert list(result["ways"]) == ["bare", "single", "fsdp", "fsdp never"], proc.stdout
     assert all(way["tokens_per_s"] > 0 and len(way["rates"]) == 1 for way in result["ways"].values())
     assert result["matmul_peak_flops"] > 0 and result["datasheet_peak_flops"] is None  # a CPU has no datasheet row
     det = result["deterministic"]

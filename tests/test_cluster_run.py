@@ -256,6 +256,8 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_t
     forwarded = re.findall(r"^.*\((?:ServeReplica|ServeController|ProxyActor)[^)]* pid=\d+\).*$", log, re.M)
     assert not forwarded, forwarded[:5]
     assert "Triton" not in log, log  # vLLM's import-time notes on a node without a GPU (serve/__main__.py)
+    # Nor Serve's own start-up INFO lines, which the endpoint line says better (serve/__main__.py).
+    assert "Serve in namespace" not in log and "is ready at" not in log, log
     after = tree(root)
     # Nothing was rewritten but the lineage, which says the same.
     changed = {name for name in before if after[name] != before[name]}

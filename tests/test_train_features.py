@@ -5,6 +5,7 @@ see train/README.md, "Tested and untested"."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -248,6 +249,47 @@ def test_torch_compile_under_fsdp_compiles_each_block_forward_between_hooks(toke
     assert result["sharded"] and all(result["forwards_compiled"]) and not any(result["calls_compiled"])
     assert result["graphs"] == 1, result
     assert result["losses"] == pytest.approx(result["expected"], rel=1e-4)
+
+
+def _fsdp_reshard_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
+    with cpu_rank(rank, world, port) as ctx:
+        result: dict = {"rank": rank}
+        for policy in ("always", "default", "never"):
+            fsdp = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.fsdp_reshard_after_forward": policy}
+            config = make_config(Path(data), Path(out) / policy, **fsdp)
+            trainer = Trainer(config, ctx)
+            # Which blocks hold their shards (DTensor parameters) rather than the gathered parameters: as a micro-
+            # step starts (the embeddings), and once every block has run forward (the final LayerNorm).
+            seen: dict[str, list[list[bool]]] = {"start": [], "after_blocks": []}
+
+            def sharded(when: str, *_: object, seen: dict = seen, trainer: Trainer = trainer) -> None:
+                seen[when].append([isinstance(b.attn.qkv.weight, DTensor) for b in trainer.gpt.blocks])
+
+            trainer.gpt.wte.register_forward_hook(functools.partial(sharded, "start"))
+            trainer.gpt.ln_f.register_forward_hook(functools.partial(sharded, "after_blocks"))
+            losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+            at_rest = all(isinstance(p, DTensor) for p in trainer.gpt.parameters())
+            result[policy] = {"losses": losses, "seen": seen, "at_rest_sharded": at_rest}
+        queue.put(result)
+
+
+def test_fsdp_reshard_policies_keep_what_they_say_and_train_alike(token_dir: Path, tmp_path: Path) -> None:
+    """``parallel.fsdp_reshard_after_forward`` over two gloo ranks, 2 blocks and 2 micro-steps a step: ``always``
+    frees every block's gathered parameters after its forward, ``default`` every block but the last, ``never``
+    none, and keeps them gathered into the next micro-step; every policy steps the shards (all sharded between
+    steps) and trains to the same losses."""
+    for result in run_two_gloo_ranks(_fsdp_reshard_worker, str(token_dir), str(tmp_path)):
+        always, default, never = result["always"], result["default"], result["never"]
+        assert always["losses"] == default["losses"] == never["losses"]
+        assert all(p["at_rest_sharded"] for p in (always, default, never))
+        micro_steps = 2 * STEPS
+        assert always["seen"]["after_blocks"] == [[True, True]] * micro_steps
+        assert default["seen"]["after_blocks"] == [[True, False]] * micro_steps
+        assert never["seen"]["after_blocks"] == [[False, False]] * micro_steps
+        # Each step's first micro-step starts from the shards; under never, its second one from the parameters
+        # the first gathered (the others gather again).
+        assert always["seen"]["start"] == default["seen"]["start"] == [[True, True]] * micro_steps
+        assert never["seen"]["start"] == [[True, True], [False, False]] * STEPS
 
 
 def test_fused_adamw_is_chosen_for_gpus_only_and_matches_the_default(token_dir: Path, tmp_path: Path) -> None:

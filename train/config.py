@@ -24,6 +24,7 @@ from train.model import GPTConfig
 Strategy = Literal["single", "ddp", "fsdp"]
 STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
 Precision = Literal["fp32", "bf16"]
+ReshardPolicy = Literal["default", "always", "never"]
 
 __all__ = [  # ConfigError is re-exported: callers of load_config catch it from here
     "STRATEGIES",
@@ -107,6 +108,13 @@ class ParallelConfig(_Section):
     # torch.compile: the whole model with its loss in one graph for single and DDP; each block's forward for FSDP,
     # whose per-block all-gather and reshard hooks stay outside the compiled regions (train.parallel.compile_model).
     compile: bool = False
+    # FSDP only, as torchtitan's reshard_after_forward_policy: whether a block's parameters are freed after its
+    # forward and all-gathered again for its backward. always: every block (the least memory); default: every
+    # block but the last, whose backward comes right after its forward; never: none, and through the micro-steps
+    # of an accumulation the parameters stay gathered until the last one's backward (ZeRO-2's memory: a full bf16
+    # copy of the model per rank; one all-gather per block per step instead of two per micro-step, which on a GPU
+    # is host time saved as much as traffic: bench/train_gpu_bench.py's fsdp ways).
+    fsdp_reshard_after_forward: ReshardPolicy = "default"
     # Bitwise-reproducible steps on GPU (as torchtitan's debug.deterministic): deterministic algorithms only,
     # cuBLAS's fixed workspace, the math attention kernel, Inductor without on-device autotuning. It costs speed
     # (bench/train_gpu_bench.py measures how much); on CPU the run is already reproducible, and the flag only

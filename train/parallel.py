@@ -2,9 +2,9 @@
 
 - ``single``: the bare model, no collectives.
 - ``ddp``: ``DistributedDataParallel`` (a full replica per rank, gradients all-reduced).
-- ``fsdp``: FSDP2 ``fully_shard`` on every block and then the root over a 1-D device mesh, with
-  ``reshard_after_forward=True`` (FULL_SHARD: parameters, gradients and optimizer state sharded;
-  parameters all-gathered per block for forward and again for backward). We call ``fully_shard``
+- ``fsdp``: FSDP2 ``fully_shard`` on every block and then the root over a 1-D device mesh (parameters,
+  gradients and optimizer state sharded; parameters all-gathered per block for forward and, unless
+  ``parallel.fsdp_reshard_after_forward`` keeps them, again for backward). We call ``fully_shard``
   directly because Ray's ``prepare_model(parallel_strategy="fsdp")`` wraps FSDP1 and requires CUDA;
   ``fully_shard`` runs on CPU with gloo as well as on GPU with NCCL.
 """
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ground.dist import DistContext
-from train.config import Precision, Strategy
+from train.config import Precision, ReshardPolicy, Strategy
 from train.model import GPT
 
 
@@ -33,8 +33,11 @@ class ReplicaMismatch(RuntimeError):
     """Ranks that should hold identical parameters do not."""
 
 
-def apply_strategy(model: GPT, strategy: Strategy, ctx: DistContext, precision: Precision) -> nn.Module:
-    """Move/wrap ``model`` for ``strategy``; returns the module the train loop calls."""
+def apply_strategy(
+    model: GPT, strategy: Strategy, ctx: DistContext, precision: Precision, reshard: ReshardPolicy = "default"
+) -> nn.Module:
+    """Move/wrap ``model`` for ``strategy``; returns the module the train loop calls. ``reshard``: FSDP's
+    ``parallel.fsdp_reshard_after_forward`` (train/config.py)."""
     model.to(ctx.device)
     if strategy == "single":
         return model
@@ -50,9 +53,13 @@ def apply_strategy(model: GPT, strategy: Strategy, ctx: DistContext, precision: 
             if precision == "bf16"
             else MixedPrecisionPolicy()
         )
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        last = len(model.blocks) - 1
+        for i, block in enumerate(model.blocks):
+            after_forward = reshard == "always" or (reshard == "default" and i < last)
+            fully_shard(block, mesh=mesh, reshard_after_forward=after_forward, mp_policy=policy)
+        # The root (embeddings, tied head, final LayerNorm): FSDP2 keeps a root's parameters after forward anyway,
+        # since backward starts with them.
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard != "never", mp_policy=policy)
         return model
     raise ValueError(f"unknown strategy {strategy!r}")
 
@@ -66,7 +73,8 @@ def compile_model(model: GPT, strategy: Strategy) -> None:
       Under DDP the gradient all-reduce runs from the autograd hooks DDP installs, outside the graph.
     - FSDP: each block's ``forward`` alone. ``Module.compile`` would compile the module's call with its hooks,
       and FSDP2's hooks (all-gather before the block, reshard after it) then break the graph; compiling the
-      forward keeps them outside, between compiled regions.
+      forward keeps them outside, between compiled regions. (Compiling the head too, the final LayerNorm, the
+      tied projection and the loss, saved 0.5 GiB of fp32 logits and no time on an H200: bench/README.md.)
     """
     if strategy == "fsdp":
         for block in model.blocks:
@@ -80,15 +88,18 @@ def unwrap(model: nn.Module) -> GPT:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool, keep_gathered: bool = False) -> Iterator[None]:
     """Skip the gradient all-reduce / reduce-scatter on all but the last micro-step of an
     accumulation: the reduction of the summed gradient happens once, which is both cheaper and,
-    since reduction is linear, the same result."""
+    since reduction is linear, the same result. ``keep_gathered`` (FSDP, ``fsdp_reshard_after_forward:
+    never``): on those micro-steps the parameters also stay gathered after backward, for the next forward."""
     if isinstance(model, DistributedDataParallel) and not enabled:
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        if keep_gathered:  # resharded after the last micro-step's backward: the optimizer steps the shards
+            model.set_reshard_after_backward(enabled)
         yield
     else:
         yield

@@ -129,7 +129,9 @@ class Trainer(Stateful):
         self.flops_per_token = flops_per_token(self.gpt)
         if cfg_par.compile:
             compile_model(self.gpt, cfg_par.strategy)
-        self.model = apply_strategy(self.gpt, cfg_par.strategy, ctx, cfg_par.precision)
+        self.model = apply_strategy(
+            self.gpt, cfg_par.strategy, ctx, cfg_par.precision, cfg_par.fsdp_reshard_after_forward
+        )
         # Built after sharding: FSDP replaces parameters with DTensor shards in place.
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.gpt, config.optimizer)
@@ -340,9 +342,10 @@ class Trainer(Stateful):
         micro_batches = loaded.micro_batches
         loss_sum = torch.zeros((), device=self.ctx.device)
         sync_wait = 0.0
+        keep_gathered = self.config.parallel.fsdp_reshard_after_forward == "never"
         for i, batch in enumerate(micro_batches):
             final = i == len(micro_batches) - 1
-            with gradient_sync(self.model, enabled=final), self._autocast():
+            with gradient_sync(self.model, enabled=final, keep_gathered=keep_gathered), self._autocast():
                 _, loss = self.model(batch.inputs, batch.targets)
             if final:
                 sync_wait = self._arrival_probe()
