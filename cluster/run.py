@@ -325,13 +325,16 @@ def plan_verdict(job: Job) -> tuple[str, str]:
     train, cluster = job.train, job.spec.cluster
     par, data, model = train.parallel, train.data, train.model
     micro_steps = max(1, data.global_batch_size // (data.micro_batch_size * par.workers))
+    # FSDP is ZeRO-3, unless its parameters stay gathered through the step (fsdp_reshard_after_forward: never):
+    # then every rank holds the whole bf16 model, as ZeRO-2 does, besides its shards.
+    zero = 0 if par.strategy != "fsdp" else 2 if par.fsdp_reshard_after_forward == "never" else 3
     planned = {
         "name": job.source,
         "model": {"n_layer": model.n_layer, "n_embd": model.n_embd, "n_head": model.n_head,
                   "vocab_size": job.pipeline.tokenize.vocab_size, "seq_len": model.block_size, "bias": model.bias},
         "training": {"tokens": float(train.steps * data.global_batch_size * model.block_size),
                      "micro_batch": data.micro_batch_size, "grad_accum": micro_steps,
-                     "zero_stage": 3 if par.strategy == "fsdp" else 0,
+                     "zero_stage": zero,
                      "activation_checkpointing": par.activation_checkpointing},
         "cluster": cluster.model_dump(),
         "parallelism": {"dp": par.workers},

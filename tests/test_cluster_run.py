@@ -431,6 +431,15 @@ def test_a_spec_whose_model_cannot_fit_its_gpus_is_refused_by_the_plan(
     assert "plan: train.model does not fit on one L4" in err
     err = refusal(tmp_path, capsys, cluster={"gpus": 8, "gpu_type": "A10G"})
     assert "cluster.gpus = 8" in err and "train.parallel.workers" in err
+    # A 6.5B model sharded over 8 A10Gs fits; kept gathered through the step (a whole bf16 copy a GPU) it does not.
+    seven_b = [f"train.model.{key}={value}" for key, value in (("n_layer", 32), ("n_embd", 4096), ("n_head", 32))]
+    seven_b += ["train.parallel.strategy=fsdp", "train.parallel.workers=8", "train.data.micro_batch_size=2"]
+    sets = [arg for item in seven_b for arg in ("--set", item)]
+    spec = write_spec(tmp_path / "sharded.yaml", str(tmp_path / "root"), cluster={"gpus": 8, "gpu_type": "A10G"})
+    assert main([str(spec), "--until", "plan", *sets]) == 0, capsys.readouterr()
+    never = ["--set", "train.parallel.fsdp_reshard_after_forward=never"]
+    err = refusal(tmp_path, capsys, *sets, *never, cluster={"gpus": 8, "gpu_type": "A10G"})
+    assert "plan: train.model with train.data.micro_batch_size" in err and "GB a GPU" in err, err
 
 
 def test_the_clusters_gpu_hour_price_prices_training_and_serving_unless_they_set_their_own(tmp_path: Path) -> None:

@@ -57,9 +57,9 @@ def apply_strategy(
         for i, block in enumerate(model.blocks):
             after_forward = reshard == "always" or (reshard == "default" and i < last)
             fully_shard(block, mesh=mesh, reshard_after_forward=after_forward, mp_policy=policy)
-        # The root (embeddings, tied head, final LayerNorm): FSDP2 keeps a root's parameters after forward anyway,
-        # since backward starts with them.
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard != "never", mp_policy=policy)
+        # The root (embeddings, tied head, final LayerNorm): FSDP2 keeps a root's parameters gathered after forward
+        # whatever reshard_after_forward says, since backward starts with them.
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     raise ValueError(f"unknown strategy {strategy!r}")
 
