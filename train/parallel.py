@@ -105,6 +105,14 @@ def gradient_sync(model: nn.Module, enabled: bool, keep_gathered: bool = False) 
         yield
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP module's gathered parameters, back to its shards: after a forward that no backward
+    follows (evaluation), where blocks that keep their parameters after forward would otherwise hold them."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     """Global L2 norm of all gradients (over every rank's shards for FSDP)."""
     grads = [p.grad for p in parameters if p.grad is not None]

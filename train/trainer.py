@@ -55,6 +55,7 @@ from train.parallel import (
     gradient_sync,
     holds_replica,
     local_digest,
+    reshard,
     scale_grads,
 )
 from train.profiler import StepProfiler
@@ -466,11 +467,14 @@ class Trainer(Stateful):
             return None
         self.model.eval()
         totals = torch.zeros(2, device=self.ctx.device)  # (sum of sequence losses, sequences)
-        for batch in self.val_batches:
-            with self._autocast():
-                _, loss = self.model(batch.inputs, batch.targets)
-            totals[0] += loss.float() * batch.inputs.shape[0]
-            totals[1] += batch.inputs.shape[0]
+        with torch.no_grad():
+            for batch in self.val_batches:
+                with self._autocast():
+                    _, loss = self.model(batch.inputs, batch.targets)
+                totals[0] += loss.float() * batch.inputs.shape[0]
+                totals[1] += batch.inputs.shape[0]
+        # No backward follows: FSDP blocks that keep their parameters after forward free them here.
+        reshard(self.model)
         self.model.train()
         self.ctx.all_reduce(totals)
         return float(totals[0] / totals[1])
