@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ STAGES = ("plan", "curate", "train", "export", "eval", "serve")
 # Keys the job sets itself, from the stages upstream: a spec that sets them is refused rather than overruled.
 TRAIN_KEYS_SET_BY_THE_JOB = ("data_dir", "output_dir", "checkpoint.resume", "data.mixture")
 SERVE_KEYS_SET_BY_THE_JOB = ("model", "canary_evalset", "address")
+# A mixture's sources share one tokenizer: these keys are the data section's, refused in a source's own keys.
+SHARED_TOKENIZE_KEYS = frozenset({"tokenize", *(f"tokenize.{key}" for key in TOKENIZER_KEYS)})
 
 
 class SpecError(ValueError):
@@ -128,8 +131,9 @@ class Job:
     def __init__(self, spec: RunSpec, source: str) -> None:
         self.spec = spec
         self.source = source
-        self.pipeline = _validated(PipelineConfig, spec.data.stage_keys(), "data", source)
-        self.sources = data_sources(spec.data, self.pipeline, source)
+        data_keys = spec.data.stage_keys()  # the base file read once: each source's own keys go over these
+        self.pipeline = _validated(PipelineConfig, data_keys, "data", source)
+        self.sources = data_sources(spec.data, data_keys, self.pipeline, source)
         train_keys = spec.train.stage_keys()
         for dotted in TRAIN_KEYS_SET_BY_THE_JOB:
             if _has(train_keys, dotted):
@@ -158,9 +162,12 @@ class Job:
         return Path(self.source).stem
 
 
-def data_sources(data: DataSection, pipeline: PipelineConfig, source: str) -> list[DataSource]:
+def data_sources(
+    data: DataSection, data_keys: dict[str, Any], pipeline: PipelineConfig, source: str
+) -> list[DataSource]:
     """The curations a spec asks for: its inputs, or each source of its mixture (names unique, no inputs beside),
-    each with its pipeline config: ``pipeline``, the data section's, with a source's own keys over it."""
+    each with its pipeline config: ``pipeline`` (the data section's, validated from ``data_keys``), or a source's
+    own keys over ``data_keys``."""
     if not data.sources:
         if not (data.inputs or data.input_list):
             raise SpecError(
@@ -177,19 +184,19 @@ def data_sources(data: DataSection, pipeline: PipelineConfig, source: str) -> li
             raise SpecError(f"{source}: data.sources[{i}].name: {s.name!r} names two sources")
         if not (s.inputs or s.input_list):
             raise SpecError(f"{source}: data.sources[{i}].inputs: give the source's inputs or its input_list")
-        config = source_pipeline(data, pipeline, s, i, source)
+        config = source_pipeline(data_keys, pipeline, s, i, source)
         out.append(DataSource(s.name, s.inputs, s.input_list, s.base_url, config, s.weight))
     return out
 
 
 def source_pipeline(
-    data: DataSection, pipeline: PipelineConfig, section: MixtureSourceSection, i: int, source: str
+    data_keys: dict[str, Any], pipeline: PipelineConfig, section: MixtureSourceSection, i: int, source: str
 ) -> PipelineConfig:
-    """A mixture source's pipeline config: the data section's (``pipeline``, made from ``data``'s keys), with the
-    source's own ``pipeline`` keys over those keys."""
+    """A mixture source's pipeline config: ``pipeline``, the data section's, or the source's own ``pipeline`` keys
+    over the section's ``data_keys``."""
     own = dotted_keys(section.pipeline)
     where = f"data.sources[{i}].pipeline"
-    shared = [key for key in own if key in {"tokenize", *(f"tokenize.{k}" for k in TOKENIZER_KEYS)}]
+    shared = [key for key in own if key in SHARED_TOKENIZE_KEYS]
     if shared:
         raise SpecError(
             f"{source}: {where}.{shared[0]}: a mixture's sources share one tokenizer (a model has one embedding "
@@ -198,7 +205,7 @@ def source_pipeline(
     if not own:
         return pipeline
     try:
-        keys = apply_overrides(data.stage_keys(), own)
+        keys = apply_overrides(copy.deepcopy(data_keys), own)  # in place: the section's keys serve every source
     except ConfigError as exc:
         raise SpecError(f"{source}: {where}: {exc}") from exc
     return _validated(PipelineConfig, keys, where, source)

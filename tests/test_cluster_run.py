@@ -491,3 +491,13 @@ def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sou
     # The same key on the section: both curations change.
     changed = where("curate", {**MIXTURE, "language": {"min_score": 0.5}})
     assert changed[0] != curated[0] and changed[1] != curated[1]
+    # Each source's own keys are its alone: the second's config has its own key and the section's for the rest.
+    first_own = {**MIXTURE["sources"][0], "pipeline": {"language": {"min_score": 0.5}}}
+    second_own = {**MIXTURE["sources"][1], "pipeline": {"tokenize": {"val_fraction": 0.3}}}
+    job = load_job(
+        write_spec(tmp_path / "own.yaml", str(tmp_path / "root"), data={**MIXTURE, "sources": [first_own, second_own]})
+    )
+    first, second = (s.config for s in job.sources)
+    assert first.language.min_score == 0.5 != job.pipeline.language.min_score
+    assert first.tokenize == job.pipeline.tokenize
+    assert second.tokenize.val_fraction == 0.3 and second.language == job.pipeline.language
