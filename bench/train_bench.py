@@ -6,9 +6,17 @@
    alternately in one process; the ratio is our loop's overhead.
 2. Memory: parameters + gradients + AdamW state held per rank under DDP and FSDP (2 ranks, gloo)
    for the demo model and GPT-2 small, measured by summing each rank's local tensors after one step.
+3. With ``--nanogpt DIR`` (a nanoGPT checkout the user supplies; nothing of it is copied here): parity with
+   nanoGPT's ``train.py``. Both run as their own processes, in rounds that alternate which goes first, on the
+   same tokens (the pipeline's train split written as nanoGPT's ``train.bin``), shape (6 layers, 384 wide,
+   context 256), batch 8, fp32, eager, dropout 0, bias on, and thread count (OMP_NUM_THREADS; ours
+   ``parallel.cpus_per_worker``). Each side's tokens/s is micro × block over the median of its own per-step
+   times (nanoGPT's ``time …ms`` lines, our metrics.jsonl ``step_time_s``) after 3 warm-up steps: process
+   start-up, Ray's included, is outside both.
 
     .venv/bin/python bench/train_bench.py [--data DIR] [--out runs/bench/train]
     .venv/bin/python bench/train_bench.py --smoke   # 1 step, 1 round, memory table for the demo model only
+    .venv/bin/python bench/train_bench.py --nanogpt ~/src/nanoGPT [--parity-rounds 4 --parity-steps 20]
 
 Without --data it runs the pipeline on data/sample with a 512-token BPE (bench/sample_data.py).
 """
@@ -19,7 +27,10 @@ import argparse
 import gc
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,11 +50,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sample_data import add_data_args, training_data  # noqa: E402
+from spread import quartiles  # noqa: E402
 
 from ground.dist import free_port  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.manifest import load_manifest  # noqa: E402
 from train.memory import state_bytes  # noqa: E402
+from train.metrics import read_metrics  # noqa: E402
 from train.model import GPT, GPTConfig  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
 from train.parallel import DistContext, apply_strategy  # noqa: E402
@@ -117,6 +130,113 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
         # Per-round ratios: the 2 cores are shared, so compare each round's pair measured back to back.
         "ratio": statistics.median(o / b for o, b in zip(ours, bare, strict=True)),
     }
+
+
+# ---------------------------------------------------------------- 1b. parity with nanoGPT
+PARITY_SHAPE = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256}
+PARITY_MICRO = 8
+PARITY_WARMUP = 3  # steps each side takes before its times count (allocator, first-call overheads)
+
+
+def nanogpt_workdir(nanogpt: Path, data_dir: Path, work: Path) -> Path:
+    """A working dir for nanoGPT's train.py (it reads ``configurator.py`` and ``data/<dataset>/`` from its cwd):
+    links to the user's checkout, and the pipeline's train and val tokens as its ``train.bin``/``val.bin``."""
+    import pickle
+
+    missing = [name for name in ("train.py", "model.py", "configurator.py") if not (nanogpt / name).is_file()]
+    if missing:
+        raise SystemExit(f"--nanogpt {nanogpt}: not a nanoGPT checkout (no {', '.join(missing)})")
+    manifest = load_manifest(data_dir)
+    if manifest.vocab_size > 2**16:
+        raise SystemExit(f"{data_dir}: vocab {manifest.vocab_size} does not fit nanoGPT's uint16 train.bin")
+    work.mkdir(parents=True, exist_ok=True)
+    for name in ("train.py", "model.py", "configurator.py"):
+        link = work / name
+        if not link.exists():
+            link.symlink_to((nanogpt / name).resolve())
+    dataset = work / "data" / "raylm"
+    dataset.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        tokens = [np.memmap(shard.path, dtype=manifest.dtype, mode="r") for shard in manifest.split(split)]
+        np.concatenate(tokens).astype(np.uint16).tofile(dataset / f"{split}.bin")
+    (dataset / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": manifest.vocab_size}))
+    return work
+
+
+def nanogpt_round(work: Path, steps: int, threads: int) -> list[float]:
+    """nanoGPT's train.py on the shape, fp32, eager, no dropout, bias on (as ours): its own per-iteration times."""
+    args = [f"--{k}={v}" for k, v in PARITY_SHAPE.items()]
+    args += ["--dataset=raylm", "--device=cpu", "--compile=False", "--dtype=float32", "--dropout=0.0", "--bias=True",
+             f"--batch_size={PARITY_MICRO}", "--gradient_accumulation_steps=1", f"--max_iters={steps}",
+             "--eval_interval=1000000", "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=False",
+             f"--out_dir={work / 'out'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=work, env=thread_env(threads),
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"nanoGPT's train.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    times = [float(m) / 1000 for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", proc.stdout, re.M)]
+    return times[PARITY_WARMUP:]
+
+
+def ours_round(data_dir: Path, out: Path, steps: int, threads: int) -> list[float]:
+    """``python -m train --strategy single`` on the same shape and data: its own per-step times (metrics.jsonl)."""
+    shutil.rmtree(out, ignore_errors=True)
+    sets = [f"model.{k}={v}" for k, v in PARITY_SHAPE.items()]
+    sets += [f"data.micro_batch_size={PARITY_MICRO}", f"data.global_batch_size={PARITY_MICRO}",
+             "data.eval_interval=0", "model.dropout=0.0", "model.bias=true", "checkpoint.enabled=false",
+             f"parallel.cpus_per_worker={threads}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "single",
+           "--steps", str(steps), "--config", str(REPO / "train" / "configs" / "demo.yaml")]  # fmt: skip
+    for item in sets:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, cwd=REPO, env=thread_env(threads), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"python -m train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [r["step_time_s"] for r in read_metrics(out)][PARITY_WARMUP:]
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def parity(nanogpt: Path, data_dir: Path, out: Path, steps: int, rounds: int, threads: int) -> dict[str, Any]:
+    """Both sides in alternating rounds; tokens/s of each round is micro × block / the median step time."""
+    work = nanogpt_workdir(nanogpt, data_dir, out / "nanogpt_work")
+    tokens = PARITY_MICRO * PARITY_SHAPE["block_size"]
+    rates: dict[str, list[float]] = {"ours": [], "nanogpt": []}
+    for r in range(rounds):
+        for side in ("ours", "nanogpt") if r % 2 == 0 else ("nanogpt", "ours"):
+            if side == "ours":
+                times = ours_round(data_dir, out / "parity_ours", steps + PARITY_WARMUP, threads)
+            else:
+                times = nanogpt_round(work, steps + PARITY_WARMUP, threads)
+            rates[side].append(tokens / statistics.median(times))
+            print(f"round {r + 1}: {side} {rates[side][-1]:,.0f} tokens/s", file=sys.stderr)
+    return {
+        "shape": PARITY_SHAPE | {"micro_batch": PARITY_MICRO},
+        "threads": threads,
+        "steps": steps,
+        "rates": rates,
+        "ratios": [o / n for o, n in zip(rates["ours"], rates["nanogpt"], strict=True)],
+    }
+
+
+def render_parity(result: dict[str, Any]) -> str:
+    def spread(values: list[float], fmt: str) -> str:
+        median, q1, q3 = quartiles(values)
+        return f"{fmt.format(median)} [{fmt.format(q1)}–{fmt.format(q3)}]"
+
+    shape = result["shape"]
+    return "\n".join([
+        f"### Parity with nanoGPT ({shape['n_layer']} layers, {shape['n_embd']} wide, context {shape['block_size']}, "
+        f"batch {shape['micro_batch']}, fp32, eager, {result['threads']} threads)",
+        "",
+        "| loop | tokens/s, median [IQR] over rounds |",
+        "|---|---:|",
+        f"| nanoGPT's train.py | {spread(result['rates']['nanogpt'], '{:,.0f}')} |",
+        f"| python -m train --strategy single | {spread(result['rates']['ours'], '{:,.0f}')} |",
+        f"| ours / nanoGPT (per round) | {spread(result['ratios'], '{:.3f}')} |",
+    ])  # fmt: skip
 
 
 # ---------------------------------------------------------------- 2. memory
@@ -228,9 +348,19 @@ def main() -> None:
         help="smallest setting (the tests use it): --steps 1 --rounds 1, and the memory table for the "
         "demo model only (skips GPT-2 small, the slow part)",
     )
+    parser.add_argument(
+        "--nanogpt",
+        type=Path,
+        help="a local nanoGPT checkout (train.py, model.py, configurator.py; never vendored here): adds the parity "
+        "table, its train.py against python -m train on the same shards, shape, batch and threads",
+    )
+    parser.add_argument("--parity-steps", type=int, default=20, help="timed steps per side per parity round")
+    parser.add_argument("--parity-rounds", type=int, default=4, help="parity rounds (sides alternate their order)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each parity side")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.rounds = 1, 1
+        args.parity_steps, args.parity_rounds = 2, 2
     models = list(MEMORY_MODELS)[:1] if args.smoke else list(MEMORY_MODELS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,8 +368,12 @@ def main() -> None:
     speed = throughput(data_dir, out, args.steps, args.rounds)
     mem = memory(models)
     table = render(speed, mem, out)
+    result: dict[str, Any] = {"throughput": speed, "memory": mem}
+    if args.nanogpt:
+        result["parity"] = parity(args.nanogpt, data_dir, out, args.parity_steps, args.parity_rounds, args.threads)
+        table += "\n\n" + render_parity(result["parity"])
     (out / "train_bench.md").write_text(table + "\n")
-    (out / "train_bench.json").write_text(json.dumps({"throughput": speed, "memory": mem}, indent=2))
+    (out / "train_bench.json").write_text(json.dumps(result, indent=2))
     print(table)
     print(f"\nsaved {out / 'train_bench.png'}")
 

@@ -271,9 +271,10 @@ class PipelineRun:
                     lost = lost_to_a_node(err)
                     if lost is None or attempt == retries:
                         raise
-                    # The index lives in the shards' memory; its inputs (work/filtered) are persisted, so the
-                    # whole index is rebuilt from them. The decisions are a function of the keys alone, not of
-                    # the order they arrive in, so the rebuilt index decides as the lost one would have.
+                    # The index lives in the shards (memory, local disk); its inputs (work/filtered) are
+                    # persisted, so the whole index is rebuilt from them. The decisions are a function of the keys
+                    # alone, not of the order they arrive in, so the rebuilt index decides as the lost one would
+                    # have.
                     log.warning(
                         "dedup: %s; rebuilding the index from the persisted keys (retry %d of %d)",
                         lost,
@@ -292,7 +293,8 @@ class PipelineRun:
         shards: list[Any] = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
         sizes = IndexSizes(shards, self.metrics)
         try:
-            # Not resumable file by file: the index lives in the shards' memory, so a resume redoes the pass.
+            # Not resumable file by file: the index lives in the shards (their memory and local disk), so a resume
+            # redoes the pass.
             sent = self._map_files(
                 None,
                 "dedup",
@@ -316,6 +318,10 @@ class PipelineRun:
                 "send_seconds": sum(s["seconds"] for s in sent),
             }
         finally:
+            # A shard removes its spill files when it finalizes; one stopped before that (a failed pass) is asked
+            # to now. A shard lost with its node took its files with it.
+            with contextlib.suppress(Exception):
+                ray.get([s.close.remote() for s in shards], timeout=60)
             for s in shards:
                 ray.kill(s)
 

@@ -314,3 +314,17 @@ def test_perplexity_bench_smoke(tmp_path):
     proc = run_script(str(BENCH / "perplexity_bench.py"), "--input", str(REPO / "data" / "sample"), *args)
     assert "| perplexity | " in proc.stdout and "| classifier | " in proc.stdout
     assert "perplexity / classifier: " in proc.stdout
+
+
+def test_dedup_index_bench_smoke(tmp_path):
+    # --smoke: 2,000 and 8,000 synthetic documents, 1 round, each size one index shard in its own process.
+    out = tmp_path / "out"
+    proc = run_script(str(BENCH / "dedup_index_bench.py"), "--smoke", "--out", str(out))
+    assert "### Dedup index, one shard of 2" in proc.stdout and "| 8,000 | " in proc.stdout, proc.stdout
+    assert "8,000 / 2,000 documents: RSS with every document added " in proc.stdout and "peak RSS " in proc.stdout
+    runs = json.loads((out / "dedup_index_bench.json").read_text())["runs"]
+    assert sorted(runs) == ["2000", "8000"]
+    for (result,) in runs.values():
+        assert result["planted"] > 0 and result["found"] == result["planted"] and result["not_planted"] == 0
+        # Every sketch went to disk (400 hashes of 8 bytes per document), not into the shard's memory.
+        assert result["spilled_bytes_per_doc"] > 400 * 8 and result["peak_rss_bytes"] >= result["rss_at_start_bytes"]

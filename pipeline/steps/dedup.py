@@ -77,6 +77,20 @@ class DedupConfig(BaseModel):
     exact: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
     minhash: MinHashDedupConfig = Field(default_factory=MinHashDedupConfig)
     num_index_actors: int = Field(2, ge=1)  # index shards (Ray actors) holding buckets, sketches and labels
+    # Each shard keeps its documents, sketches and bucket entries in files on its node's local disk
+    # (pipeline/steps/dedup_spill.py), in this directory (None: the system's temp dir on that node).
+    spill_dir: str | None = None
+    # Bucket entries are split over this many files by key; verifying holds one file's entries in memory at a
+    # time (16 bytes each), so a shard's memory is bounded by corpus entries / spill_partitions.
+    spill_partitions: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _spill_dir_is_local(self) -> DedupConfig:
+        if self.spill_dir is not None and "://" in self.spill_dir:
+            raise ValueError(
+                f"dedup.spill_dir must be a local directory on each index shard's node, not a URI: {self.spill_dir!r}"
+            )
+        return self
 
 
 def doc_key(doc: Doc) -> str:

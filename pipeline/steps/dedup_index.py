@@ -14,9 +14,14 @@ When no owner's label changes, every node's label is the lowest key of its compo
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +31,7 @@ import pyarrow.parquet as pq
 from ground.storage import Location
 from pipeline.steps.base import Doc
 from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, DedupKeys, MarkDuplicates, doc_key, jaccard, keyed_batch
+from pipeline.steps.dedup_spill import DocRecords, Partitions
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -37,6 +43,32 @@ def owner_of(key: str | bytes, num_shards: int) -> int:
     """The shard that owns a document key or an exact key: a hash every process agrees on."""
     data = key.encode("utf-8") if isinstance(key, str) else key
     return zlib.crc32(data) % num_shards
+
+
+SPILL_PREFIX = "raylm-dedup-"  # then the shard process's pid: raylm-dedup-<pid>-shard<n>-<random>
+
+
+def remove_orphaned_spills(parent: Path) -> list[Path]:
+    """Remove the spill dirs in ``parent`` whose shard process is gone from this node (killed before it could
+    remove them); returns them."""
+    removed = []
+    for path in parent.glob(f"{SPILL_PREFIX}*-shard*"):
+        pid = path.name[len(SPILL_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
 
 
 class _DisjointSet:
@@ -61,16 +93,26 @@ class _DisjointSet:
 
 
 class BucketIndex:
-    """One shard: exact heads, LSH buckets with their members' sketches, edges, and the labels it owns."""
+    """One shard: exact keys, LSH bucket entries and sketches (spilled to local disk, pipeline/steps/dedup_spill.py),
+    the verified edges, and the labels it owns. Only what is a duplicate (edges, labels) stays in memory."""
 
     def __init__(self, shard_id: int, config: DedupConfig) -> None:
         self.shard_id = shard_id
         self.config = config
-        self._exact_heads: dict[bytes, str] = {}
-        self._buckets: dict[int, list[int]] = {}
-        self._doc_index: dict[str, int] = {}  # doc key -> position in _docs / _sketches
-        self._docs: list[str] = []
-        self._sketches: list[np.ndarray | None] = []  # what candidates are verified with (None: not verified)
+        parent = Path(config.spill_dir or tempfile.gettempdir())
+        try:
+            remove_orphaned_spills(parent)
+            self.spill_dir = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-shard{shard_id}-", dir=parent))
+        except OSError as err:
+            raise ValueError(f"dedup.spill_dir: cannot create an index shard's spill files in {parent}: {err}") from err
+        # The directory goes when the shard finalizes or is collected; one killed mid-pass (its node's job killed,
+        # the pass retried) leaves it to the next shard started on the node, which removes it.
+        self._removal = weakref.finalize(self, shutil.rmtree, self.spill_dir, True)
+        sketch_dtype = np.uint32 if config.minhash.verify == "signature" else np.uint64
+        self._records = DocRecords(self.spill_dir, sketch_dtype)
+        self._bands = Partitions(self.spill_dir, "band", config.spill_partitions)
+        self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
+        self._band_docs = 0
         self._edges: dict[str, set[tuple[str, str]]] = {"exact": set(), "near": set()}
         self._owned: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes this shard owns
         self._view: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes in its edges
@@ -85,6 +127,7 @@ class BucketIndex:
             "candidates": 0,
             "verified": 0,
             "rounds": 0,
+            "spilled_bytes": 0,
         }
 
     # ---- building the index ----
@@ -96,34 +139,33 @@ class BucketIndex:
         band_keys: np.ndarray | None,
         sketches: list[np.ndarray] | None,
     ) -> int:
-        """Insert one batch's keys for this shard; re-inserting the same document (a retried task) is harmless."""
+        """Append one batch's keys for this shard. Re-adding the same documents (a retried task) is harmless: a
+        document's copies share every key and sketch, and verification takes each key once."""
         started = time.perf_counter()
-        for key, ekey in exact:
-            head = self._exact_heads.setdefault(ekey, key)
-            if head != key:
-                self._edges["exact"].add((key, head))
-        self.stats["exact_seconds"] += time.perf_counter() - started
-        started = time.perf_counter()
+        positions: dict[str, int] = {}
         if band_keys is not None and len(doc_keys):
-            for i, key in enumerate(doc_keys):
-                pos = self._doc_index.get(key)
-                if pos is None:
-                    pos = self._doc_index[key] = len(self._docs)
-                    self._docs.append(key)
-                    self._sketches.append(sketches[i] if sketches is not None else None)
-                for bucket in band_keys[i].tolist():
-                    members = self._buckets.setdefault(bucket, [])
-                    if not members or members[-1] != pos:
-                        members.append(pos)
+            placed = self._records.append(doc_keys, sketches)
+            self._band_docs += len(doc_keys)
+            positions = dict(zip(doc_keys, placed.tolist(), strict=True))
+            bands = band_keys.astype(np.uint64, copy=False)
+            self._bands.append(bands.reshape(-1), np.repeat(placed, bands.shape[1]))
         self.stats["minhash_seconds"] += time.perf_counter() - started
+        started = time.perf_counter()
+        if exact:
+            missing = [key for key, _ in exact if key not in positions]
+            if missing:  # a shard that owns none of the batch's bands: the keys alone, no sketch
+                positions.update(zip(missing, self._records.append(missing, None).tolist(), strict=True))
+            digests = np.frombuffer(b"".join(ekey for _, ekey in exact), dtype="<u8").reshape(len(exact), 2)
+            self._exact.append(digests, np.array([positions[key] for key, _ in exact], dtype=np.uint64))
+        self.stats["exact_seconds"] += time.perf_counter() - started
         return len(doc_keys)
 
-    def _similar(self, a: int, b: int, cache: dict[tuple[int, int], bool]) -> bool:
-        pair = (a, b) if a < b else (b, a)
+    def _similar(self, a: tuple[str, np.ndarray | None], b: tuple[str, np.ndarray | None], cache: dict) -> bool:
+        pair = (a[0], b[0]) if a[0] < b[0] else (b[0], a[0])
         hit = cache.get(pair)
         if hit is None:
             mh = self.config.minhash
-            sketch_a, sketch_b = self._sketches[a], self._sketches[b]
+            sketch_a, sketch_b = a[1], b[1]
             if mh.verify == "none":
                 hit = True
             elif sketch_a is None or sketch_b is None:
@@ -137,30 +179,46 @@ class BucketIndex:
             self.stats["verified"] += hit
         return hit
 
+    def _members(self, positions: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
+        """A bucket's documents, each key once (a retried batch adds copies), in key order."""
+        return sorted(dict(self._records.read(positions)).items(), key=lambda member: member[0])
+
     def finalize(self) -> int:
         """Verify the candidates of every shared bucket; a member joins the first (lowest-key) verified center.
-
-        Members are taken in key order, so the edges do not depend on the order documents arrived in.
-        """
+        Exact keys shared by two or more documents join them to the lowest key. Members are taken in key order,
+        so the edges do not depend on the order documents arrived in. The spill files are removed after."""
         started = time.perf_counter()
-        cache: dict[tuple[int, int], bool] = {}
+        self.stats["spilled_bytes"] = self.spilled_bytes()
+        for positions in self._exact.groups():
+            keys = sorted({key for key, _ in self._records.read(positions)})
+            self._edges["exact"].update((key, keys[0]) for key in keys[1:])
+        self.stats["exact_seconds"] += time.perf_counter() - started
+        started = time.perf_counter()
+        cache: dict[tuple[str, str], bool] = {}  # a pair sharing several bands is verified once
         edges = self._edges["near"]
-        for members in self._buckets.values():
-            if len(members) < 2:
-                continue
-            centers: list[int] = []
-            for m in sorted(set(members), key=self._docs.__getitem__):
-                center = next((c for c in centers if self._similar(m, c, cache)), None)
+        for positions in self._bands.groups():
+            centers: list[tuple[str, np.ndarray | None]] = []
+            for member in self._members(positions):
+                center = next((c for c in centers if self._similar(member, c, cache)), None)
                 if center is None:
-                    centers.append(m)
+                    centers.append(member)
                 else:
-                    edges.add((self._docs[m], self._docs[center]))
+                    edges.add((member[0], center[0]))
         edges |= self._edges["exact"]  # an exact duplicate is also a near one
-        self._buckets.clear()
-        self._sketches.clear()
-        self._exact_heads.clear()
+        self.close()
         self.stats["verify_seconds"] += time.perf_counter() - started
         return len(edges)
+
+    def spilled_bytes(self) -> int:
+        """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries)."""
+        self._bands.flush()
+        self._exact.flush()
+        return sum(p.stat().st_size for p in self.spill_dir.iterdir()) if self.spill_dir.exists() else 0
+
+    def close(self) -> None:
+        """Remove the spill files (the executor calls it before killing a shard that did not finalize)."""
+        self._records.close()
+        self._removal()
 
     # ---- min-label propagation (see the module docstring) ----
 
@@ -246,9 +304,9 @@ class BucketIndex:
         return dict(self.stats)
 
     def size(self) -> dict[str, int]:
-        """What the shard holds, in entries: documents in its LSH buckets (each with its sketch, the memory that
-        grows with the corpus) and distinct exact keys."""
-        return {"minhash": len(self._docs), "exact": len(self._exact_heads)}
+        """What the shard has taken in, in entries: documents with LSH bands here and exact keys here (each on
+        the shard's disk until it finalizes, see pipeline/steps/dedup_spill.py)."""
+        return {"minhash": self._band_docs, "exact": self._exact.count}
 
 
 def _parts(parts: list) -> Any:

@@ -1,0 +1,129 @@
+"""The dedup index's spill files: what grows with the corpus lives on the shard's local disk, not in its memory.
+
+An index shard appends each batch's documents (key and verification sketch) to one record file, and each
+(bucket key, document) entry to one of ``spill_partitions`` files chosen by the key. Verifying then reads one
+partition at a time: it sorts the partition by key and reads back, by position, only the members of buckets that
+hold two or more documents. A shard's resident memory is its write buffer plus one sorted partition, about
+``16 × entries / spill_partitions`` bytes, where the in-memory index held every key, bucket and sketch.
+
+Written here rather than taken from a library: datasketch's LSH keeps its tables in memory (or in Redis or
+Cassandra, a service to run), and datatrove's disk-sorted MinHash is bound to its own pipeline executor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+_NO_SKETCH = 0xFFFFFFFF  # a record's sketch length when the document was added without one
+
+
+class DocRecords:
+    """Append-only documents, each a key and a sketch, addressed by position through a fixed-size index file."""
+
+    _INDEX = np.dtype([("offset", "<u8"), ("key_len", "<u4"), ("sketch_len", "<u4")])
+
+    def __init__(self, directory: Path, sketch_dtype: np.dtype | type) -> None:
+        # Unbuffered: every write is in the OS's hands at once, so a read by position right after it sees it.
+        self._data = open(directory / "docs.bin", "wb+", buffering=0)  # noqa: SIM115 (closed by close())
+        self._index = open(directory / "docs.idx", "wb+", buffering=0)  # noqa: SIM115
+        self._end = 0
+        self.count = 0
+        self.dtype = np.dtype(sketch_dtype)
+
+    def append(self, keys: Sequence[str], sketches: Sequence[np.ndarray | None] | None) -> np.ndarray:
+        """Write one batch of documents; returns their positions."""
+        index = np.empty(len(keys), self._INDEX)
+        chunks: list[bytes] = []
+        offset = self._end
+        for i, key in enumerate(keys):
+            key_bytes = key.encode("utf-8")
+            sketch = None if sketches is None else sketches[i]
+            sketch_bytes = b"" if sketch is None else np.ascontiguousarray(sketch, dtype=self.dtype).tobytes()
+            index[i] = (offset, len(key_bytes), _NO_SKETCH if sketch is None else len(sketch_bytes))
+            chunks += (key_bytes, sketch_bytes)
+            offset += len(key_bytes) + len(sketch_bytes)
+        self._data.write(b"".join(chunks))
+        self._index.write(index.tobytes())
+        self._end = offset
+        positions = np.arange(self.count, self.count + len(keys), dtype=np.uint64)
+        self.count += len(keys)
+        return positions
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[tuple[str, np.ndarray | None]]:
+        """(key, sketch or None) of each position, read with positioned reads (no mapping: pages read here are
+        the OS's cache, not this process's resident memory)."""
+        out = []
+        size = self._INDEX.itemsize
+        for pos in positions:
+            entry = np.frombuffer(os.pread(self._index.fileno(), size, int(pos) * size), self._INDEX)[0]
+            key_len, sketch_len = int(entry["key_len"]), int(entry["sketch_len"])
+            has_sketch = sketch_len != _NO_SKETCH
+            raw = os.pread(self._data.fileno(), key_len + (sketch_len if has_sketch else 0), int(entry["offset"]))
+            sketch = np.frombuffer(raw[key_len:], self.dtype) if has_sketch else None
+            out.append((raw[:key_len].decode("utf-8"), sketch))
+        return out
+
+    def close(self) -> None:
+        self._data.close()
+        self._index.close()
+
+
+class Partitions:
+    """(key, position) entries in ``count`` append-only files chosen by the key, read back one file at a time as
+    groups of the positions that share a key. A key is ``words`` 64-bit words (two for a 16-byte exact key)."""
+
+    def __init__(self, directory: Path, name: str, count: int, words: int = 1, flush_entries: int = 1 << 18) -> None:
+        self._paths = [directory / f"{name}-{p:05d}.bin" for p in range(count)]
+        self._entry = np.dtype([("key", "<u8", (words,)), ("pos", "<u8")])
+        self._flush_entries = flush_entries
+        self._pending: list[np.ndarray] = []
+        self._pending_entries = 0
+        self.count = 0
+
+    def append(self, keys: np.ndarray, positions: np.ndarray) -> None:
+        """``keys``: (n,) or (n, words) uint64; ``positions``: (n,) record positions."""
+        entries = np.empty(len(positions), self._entry)
+        entries["key"] = keys.reshape(len(positions), -1)
+        entries["pos"] = positions
+        self._pending.append(entries)
+        self._pending_entries += len(entries)
+        self.count += len(entries)
+        if self._pending_entries >= self._flush_entries:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered entries, each to its partition's file (one append per file per flush)."""
+        if not self._pending:
+            return
+        entries = np.concatenate(self._pending)
+        self._pending, self._pending_entries = [], 0
+        part = entries["key"][:, 0] % np.uint64(len(self._paths))
+        order = np.argsort(part, kind="stable")
+        entries, part = entries[order], part[order]
+        bounds = np.searchsorted(part, np.arange(len(self._paths) + 1, dtype=np.uint64))
+        for p in np.flatnonzero(np.diff(bounds)):
+            with open(self._paths[p], "ab") as out:
+                entries[bounds[p] : bounds[p + 1]].tofile(out)
+
+    def groups(self) -> Iterator[np.ndarray]:
+        """The positions of every key held by two or more entries, one partition in memory at a time."""
+        self.flush()
+        for path in self._paths:
+            if not path.exists():
+                continue
+            entries = np.fromfile(path, self._entry)
+            keys = entries["key"]
+            order = np.lexsort(keys.T[::-1])
+            keys, positions = keys[order], entries["pos"][order]
+            del entries, order
+            starts = np.flatnonzero(np.concatenate(([True], np.any(keys[1:] != keys[:-1], axis=1))))
+            ends = np.append(starts[1:], len(keys))
+            for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
+                yield positions[start:end]
+
+    def spilled_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self._paths if p.exists())

@@ -1,0 +1,123 @@
+"""The dedup index's spill files (pipeline/steps/dedup_spill.py): bucket entries and sketches on the shard's local
+disk, grouped back one partition at a time, with the same decisions as any other partitioning."""
+
+import collections
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from pipeline.steps.dedup import DedupConfig, DedupKeys, doc_key, keyed_batch
+from pipeline.steps.dedup_index import SPILL_PREFIX, BucketIndex, InProcess, resolve_clusters, shard_part
+from pipeline.steps.dedup_spill import DocRecords, Partitions
+
+
+@pytest.mark.parametrize("count,words", [(1, 1), (7, 1), (5, 2)])
+def test_partitions_group_exactly_the_keys_held_more_than_once(tmp_path: Path, count: int, words: int) -> None:
+    rng = np.random.default_rng(count)
+    keys = rng.integers(0, 2**64, size=(3000, words), dtype=np.uint64)
+    keys[rng.integers(0, 3000, 600)] = keys[rng.integers(0, 3000, 600)]  # planted repeats
+    if words == 2:  # keys equal in their first word only are different keys
+        keys[10, 0], keys[11, 0] = keys[12, 0], keys[12, 0]
+    positions = np.arange(len(keys), dtype=np.uint64)
+    parts = Partitions(tmp_path, "t", count, words=words, flush_entries=256)  # many flushes
+    for start in range(0, len(keys), 500):
+        parts.append(keys[start : start + 500], positions[start : start + 500])
+    expected = collections.defaultdict(set)
+    for key, pos in zip(map(tuple, keys.tolist()), positions.tolist(), strict=True):
+        expected[key].add(pos)
+    expected_groups = sorted(sorted(g) for g in expected.values() if len(g) > 1)
+    found = sorted(sorted(g.tolist()) for g in parts.groups())
+    assert found == expected_groups and len(found) > 100
+    assert len(list(tmp_path.iterdir())) <= count and parts.spilled_bytes() == len(keys) * 8 * (words + 1)
+
+
+def test_records_read_back_by_position(tmp_path: Path) -> None:
+    records = DocRecords(tmp_path, np.uint64)
+    first = records.append(["a\x00s3://b/x.wet\x000", "é-ü"], [np.array([3, 1], np.uint64), None])
+    second = records.append(["c"], [np.arange(400, dtype=np.uint64)])
+    assert first.tolist() == [0, 1] and second.tolist() == [2]
+    got = records.read([2, 0, 1])
+    assert [key for key, _ in got] == ["c", "a\x00s3://b/x.wet\x000", "é-ü"]
+    assert got[0][1].tolist() == list(range(400)) and got[1][1].tolist() == [3, 1] and got[2][1] is None
+    records.close()
+
+
+def shard_decisions(texts: list[str], config: DedupConfig, repeat: int = 1) -> dict[str, tuple[str, str]]:
+    keys = DedupKeys(config)
+    docs = [{"warc_record_id": f"id-{i:03d}", "text": t} for i, t in enumerate(texts)]
+    exact, sigs, sketches = zip(*(keys.keys(d["text"]) for d in docs), strict=True)
+    batch = keyed_batch(config, [doc_key(d) for d in docs], list(exact), np.stack(sigs), list(sketches))
+    shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
+    for _ in range(repeat):  # a retried task adds its batch again
+        for shard in shards:
+            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
+    resolve_clusters(shards, InProcess())
+    return {k: v for shard in shards for k, v in shard.decisions().items()}
+
+
+def test_decisions_do_not_depend_on_the_partitions_and_a_retried_batch_changes_nothing(ccnet_texts) -> None:
+    texts = [t for t in ccnet_texts if len(t.split()) >= 100][:12]
+    rng = random.Random(0)
+    planted = []
+    for t in texts[:6]:  # near copies (2% of words replaced) and exact ones
+        words = t.split()
+        for i in rng.sample(range(len(words)), len(words) // 50):
+            words[i] = "edited"
+        planted.append(" ".join(words))
+    corpus = texts + planted + [texts[7].upper()]
+    reference = shard_decisions(corpus, DedupConfig(num_index_actors=1, spill_partitions=1))
+    assert len(reference) == 7  # the six near copies and the exact one
+    for actors, partitions in [(2, 256), (3, 5)]:
+        config = DedupConfig(num_index_actors=actors, spill_partitions=partitions)
+        assert shard_decisions(corpus, config, repeat=2) == reference
+
+
+def test_the_index_is_on_disk_until_it_finalizes_then_gone(ccnet_texts, tmp_path: Path) -> None:
+    config = DedupConfig(num_index_actors=1, spill_dir=str(tmp_path))
+    keys = DedupKeys(config)
+    texts = ccnet_texts[:20]
+    exact, sigs, sketches = zip(*(keys.keys(t) for t in texts), strict=True)
+    batch = keyed_batch(config, [f"id-{i}" for i in range(20)], list(exact), np.stack(sigs), list(sketches))
+    shard = BucketIndex(0, config)
+    assert shard.spill_dir.parent == tmp_path
+    shard.add(**shard_part(batch, 0, 1))
+    sketch_bytes = sum(s.nbytes for s in sketches)
+    entries = 20 * (config.minhash.bands * 16 + 24)  # (band key, position) per band; (16-byte digest, position)
+    assert shard.spilled_bytes() >= sketch_bytes + entries
+    assert shard.size() == {"minhash": 20, "exact": 20}
+    shard.finalize()
+    assert not shard.spill_dir.exists() and shard.get_stats()["spilled_bytes"] >= sketch_bytes + entries
+
+    stopped = BucketIndex(1, config)  # a pass that failed before finalizing: the executor closes its shards
+    stopped.add(**shard_part(batch, 0, 1))
+    stopped.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_spill_dir_must_be_a_local_directory_that_exists(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"dedup\.spill_dir must be a local directory"):
+        DedupConfig(spill_dir="s3://bucket/spill")
+    with pytest.raises(ValueError, match=r"dedup\.spill_dir: cannot create .*missing: .*No such file or directory"):
+        BucketIndex(0, DedupConfig(spill_dir=str(tmp_path / "missing")))
+
+
+def test_a_new_shard_removes_the_spills_of_shards_killed_on_its_node(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"{SPILL_PREFIX}{dead_pid}-shard0-abc"
+    live = tmp_path / f"{SPILL_PREFIX}{os.getpid()}-shard1-def"  # a shard of a pass still running here
+    for path in (orphan, live):
+        path.mkdir()
+        (path / "docs.bin").write_bytes(b"x" * 100)
+    other = tmp_path / "raylm-dedup-notes"  # not a spill dir: kept
+    other.mkdir()
+    shard = BucketIndex(0, DedupConfig(spill_dir=str(tmp_path)))
+    assert not orphan.exists() and live.exists() and other.exists()
+    assert shard.spill_dir.name.startswith(f"{SPILL_PREFIX}{os.getpid()}-shard0-")
+    shard.close()
