@@ -135,7 +135,14 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
 # ---------------------------------------------------------------- 1b. parity with nanoGPT
 PARITY_SHAPE = {"n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256}
 PARITY_MICRO = 8
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py")
 PARITY_WARMUP = 3  # steps each side takes before its times count (allocator, first-call overheads)
+
+
+def check_nanogpt(nanogpt: Path) -> None:
+    missing = [name for name in NANOGPT_FILES if not (nanogpt / name).is_file()]
+    if missing:
+        raise SystemExit(f"--nanogpt {nanogpt}: not a nanoGPT checkout (no {', '.join(missing)})")
 
 
 def nanogpt_workdir(nanogpt: Path, data_dir: Path, work: Path) -> Path:
@@ -143,14 +150,12 @@ def nanogpt_workdir(nanogpt: Path, data_dir: Path, work: Path) -> Path:
     links to the user's checkout, and the pipeline's train and val tokens as its ``train.bin``/``val.bin``."""
     import pickle
 
-    missing = [name for name in ("train.py", "model.py", "configurator.py") if not (nanogpt / name).is_file()]
-    if missing:
-        raise SystemExit(f"--nanogpt {nanogpt}: not a nanoGPT checkout (no {', '.join(missing)})")
+    check_nanogpt(nanogpt)
     manifest = load_manifest(data_dir)
     if manifest.vocab_size > 2**16:
         raise SystemExit(f"{data_dir}: vocab {manifest.vocab_size} does not fit nanoGPT's uint16 train.bin")
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("train.py", "model.py", "configurator.py"):
+    for name in NANOGPT_FILES:
         link = work / name
         if not link.exists():
             link.symlink_to((nanogpt / name).resolve())
@@ -358,6 +363,8 @@ def main() -> None:
     parser.add_argument("--parity-rounds", type=int, default=4, help="parity rounds (sides alternate their order)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each parity side")
     args = parser.parse_args()
+    if args.nanogpt:
+        check_nanogpt(args.nanogpt)  # before minutes of the other sections
     if args.smoke:
         args.steps, args.rounds = 1, 1
         args.parity_steps, args.parity_rounds = 2, 2

@@ -328,3 +328,14 @@ def test_dedup_index_bench_smoke(tmp_path):
         assert result["planted"] > 0 and result["found"] == result["planted"] and result["not_planted"] == 0
         # Every sketch went to disk (400 hashes of 8 bytes per document), not into the shard's memory.
         assert result["spilled_bytes_per_doc"] > 400 * 8 and result["peak_rss_bytes"] >= result["rss_at_start_bytes"]
+
+
+def test_train_bench_refuses_a_nanogpt_dir_that_is_not_a_checkout(tmp_path):
+    # The parity section needs a nanoGPT checkout the user supplies (none here): a wrong dir is refused at once.
+    (tmp_path / "train.py").write_text("")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "train_bench.py"), "--smoke", "--nanogpt", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert f"--nanogpt {tmp_path}: not a nanoGPT checkout (no model.py, configurator.py)" in proc.stderr
