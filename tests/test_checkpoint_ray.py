@@ -57,9 +57,6 @@ def ray_cluster() -> Iterator[str]:
     Ray starts so that its workers inherit them."""
     with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
         use_s3_endpoint(env, endpoint)
-        # The controller polls workers every 2 s by default, and each ray.train.report waits for a poll:
-        # a shorter interval keeps these few-second runs from idling. Read by the controller at start.
-        env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
         make_bucket(endpoint, "raylm-checkpoints")
         ray.init(num_cpus=2, include_dashboard=False)
         try:

@@ -68,8 +68,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
         use_s3_endpoint(env, endpoint)
         env.setenv(CACHE_ENV, str(cache))
-        # Each ray.train.report waits for the controller's poll (2 s by default): keep these short runs from idling.
-        env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
         client = make_bucket(endpoint, BUCKET)
         ray.init(num_cpus=2, include_dashboard=False)
         # After Ray starts: its workers put the driver's directory at the start (the checkout) on their path.
