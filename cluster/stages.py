@@ -106,6 +106,22 @@ def code_version() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
+
+
+def in_checkout(uri: str, checkout: Path = CHECKOUT) -> str:
+    """An input file inside the checkout as ``checkout:<path in it>``, anything else as it is. A `ray job submit`
+    unpacks the checkout under a directory named after a hash of its content, so an absolute path there (the
+    bundled sample, a file beside the spec) would change, and the curation's key with it, at every edit to any
+    file of the checkout; by its path in the checkout, the same input keeps its key (its size is keyed too)."""
+    if "://" in uri or not Path(uri).is_absolute():
+        return uri
+    try:
+        return f"checkout:{Path(uri).relative_to(checkout).as_posix()}"
+    except ValueError:
+        return uri
+
+
 def _iso(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat(timespec="seconds")
 
@@ -120,7 +136,9 @@ def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | No
     from pipeline.run_inputs import gather_inputs
 
     gathered = gather_inputs(source.inputs, source.config, input_list=source.input_list, base_url=source.base_url)
-    material: dict[str, Any] = {"pipeline": gathered.identity(source.config)}
+    identity = gathered.identity(source.config)
+    identity["inputs"] = [[in_checkout(uri), size] for uri, size in identity["inputs"]]
+    material: dict[str, Any] = {"pipeline": identity}
     if tokenizer_of is not None:
         # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
         material["tokenizer_of"] = tokenizer_of.key

@@ -14,6 +14,7 @@ import os
 import pty
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -501,3 +502,31 @@ def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sou
     assert first.language.min_score == 0.5 != job.pipeline.language.min_score
     assert first.tokenize == job.pipeline.tokenize
     assert second.tokenize.val_fraction == 0.3 and second.language == job.pipeline.language
+
+
+def test_inputs_inside_the_checkout_keep_their_key_when_the_checkout_moves(tmp_path: Path) -> None:
+    """A `ray job submit` unpacks the checkout under a directory named after its content's hash: the bundled sample,
+    named by its path in the checkout, must curate under the same key from two copies of the checkout (each run
+    from its own copy, as a job's driver runs), while an input outside the checkout keeps its absolute path."""
+    spec = {**SPEC, "data": {**SPEC["data"], "inputs": "data/sample"}}
+
+    def curate_dir(checkout: Path, spec_data: dict[str, Any]) -> str:
+        job = write_spec(tmp_path / "job.yaml", str(tmp_path / "root"), **{**spec, "data": spec_data})
+        where = subprocess.run([sys.executable, "-m", "cluster.run", str(job), "--where", "curate"], cwd=checkout,
+                               capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert where.returncode == 0, where.stderr[-3000:]
+        return where.stdout.strip()
+
+    copies = []
+    for name in ("checkout-a", "checkout-b"):
+        copy = tmp_path / name
+        for package in ("ground", "pipeline", "cluster", "train", "serve", "checkpoints", "data"):
+            shutil.copytree(REPO / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+        copies.append(copy)
+    assert curate_dir(copies[0], spec["data"]) == curate_dir(copies[1], spec["data"])
+    # The same files outside any checkout: named by their absolute paths, so two places are two curations.
+    outside = [tmp_path / "outside-a", tmp_path / "outside-b"]
+    for place in outside:
+        shutil.copytree(SAMPLE, place)
+    keyed = {curate_dir(copies[0], {**spec["data"], "inputs": str(place)}) for place in outside}
+    assert len(keyed) == 2
