@@ -42,7 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spread import quartiles  # noqa: E402
+from spread import median_iqr_text  # noqa: E402
 
 from pipeline.steps.dedup import DedupConfig, DedupKeys  # noqa: E402
 from pipeline.steps.dedup_index import BucketIndex, InProcess, resolve_clusters, shard_part  # noqa: E402
@@ -170,11 +170,6 @@ def run_size(args: argparse.Namespace, docs: int) -> dict:
     return json.loads(proc.stdout)
 
 
-def spread(values: list[float], scale: float = 1.0, fmt: str = "{:.3g}") -> str:
-    median, q1, q3 = quartiles([v * scale for v in values])
-    return f"{fmt.format(median)} [{fmt.format(q1)}–{fmt.format(q3)}]"
-
-
 def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespace) -> str:
     lines = [
         f"### Dedup index, one shard of {args.shards}: memory, time and disk as the corpus grows",
@@ -189,12 +184,12 @@ def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespac
     for docs in sizes:
         rs = runs[docs]
         lines.append(
-            f"| {docs:,} | {spread([r['rss_at_start_bytes'] for r in rs], 1e-6, '{:.0f}')} "
-            f"| {spread([r['rss_built_bytes'] for r in rs], 1e-6, '{:.0f}')} "
-            f"| {spread([r['peak_rss_bytes'] for r in rs], 1e-6, '{:.0f}')} "
-            f"| {spread([r['add_s_per_doc'] for r in rs], 1e6, '{:.1f}')} "
-            f"| {spread([r['resolve_s_per_doc'] for r in rs], 1e6, '{:.1f}')} "
-            f"| {spread([r['spilled_bytes_per_doc'] for r in rs], 1e-3, '{:.2f}')} "
+            f"| {docs:,} | {median_iqr_text([r['rss_at_start_bytes'] for r in rs], '{:.0f}', 1e-6)} "
+            f"| {median_iqr_text([r['rss_built_bytes'] for r in rs], '{:.0f}', 1e-6)} "
+            f"| {median_iqr_text([r['peak_rss_bytes'] for r in rs], '{:.0f}', 1e-6)} "
+            f"| {median_iqr_text([r['add_s_per_doc'] for r in rs], '{:.1f}', 1e6)} "
+            f"| {median_iqr_text([r['resolve_s_per_doc'] for r in rs], '{:.1f}', 1e6)} "
+            f"| {median_iqr_text([r['spilled_bytes_per_doc'] for r in rs], '{:.2f}', 1e-3)} "
             f"| {min(r['found'] for r in rs):,} of {rs[0]['planted']:,} | {max(r['not_planted'] for r in rs)} |"
         )
     lines.append("")
@@ -207,9 +202,9 @@ def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespac
             for a, b in pairs
         ]
         lines.append(
-            f"{large:,} / {small:,} documents: RSS with every document added {spread(built, fmt='{:.2f}')}×, "
-            f"peak RSS {spread(rss, fmt='{:.2f}')}×, "
-            f"time per document {spread(per_doc, fmt='{:.2f}')}× (median [IQR] of per-round ratios)"
+            f"{large:,} / {small:,} documents: RSS with every document added {median_iqr_text(built, '{:.2f}')}×, "
+            f"peak RSS {median_iqr_text(rss, '{:.2f}')}×, "
+            f"time per document {median_iqr_text(per_doc, '{:.2f}')}× (median [IQR] of per-round ratios)"
         )
     return "\n".join(lines)
 

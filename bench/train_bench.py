@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sample_data import add_data_args, training_data  # noqa: E402
-from spread import quartiles  # noqa: E402
+from spread import median_iqr_text  # noqa: E402
 
 from ground.dist import free_port  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -227,10 +227,6 @@ def parity(nanogpt: Path, data_dir: Path, out: Path, steps: int, rounds: int, th
 
 
 def render_parity(result: dict[str, Any]) -> str:
-    def spread(values: list[float], fmt: str) -> str:
-        median, q1, q3 = quartiles(values)
-        return f"{fmt.format(median)} [{fmt.format(q1)}–{fmt.format(q3)}]"
-
     shape = result["shape"]
     return "\n".join([
         f"### Parity with nanoGPT ({shape['n_layer']} layers, {shape['n_embd']} wide, context {shape['block_size']}, "
@@ -238,9 +234,9 @@ def render_parity(result: dict[str, Any]) -> str:
         "",
         "| loop | tokens/s, median [IQR] over rounds |",
         "|---|---:|",
-        f"| nanoGPT's train.py | {spread(result['rates']['nanogpt'], '{:,.0f}')} |",
-        f"| python -m train --strategy single | {spread(result['rates']['ours'], '{:,.0f}')} |",
-        f"| ours / nanoGPT (per round) | {spread(result['ratios'], '{:.3f}')} |",
+        f"| nanoGPT's train.py | {median_iqr_text(result['rates']['nanogpt'], '{:,.0f}')} |",
+        f"| python -m train --strategy single | {median_iqr_text(result['rates']['ours'], '{:,.0f}')} |",
+        f"| ours / nanoGPT (per round) | {median_iqr_text(result['ratios'], '{:.3f}')} |",
     ])  # fmt: skip
 
 

@@ -124,6 +124,3 @@ class Partitions:
             ends = np.append(starts[1:], len(keys))
             for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
                 yield positions[start:end]
-
-    def spilled_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._paths if p.exists())
