@@ -30,6 +30,7 @@ stopped, the driver disconnects, every node is killed, moto stops, the environme
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import itertools
@@ -52,6 +53,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+import aiohttp
 import psutil
 import pyarrow.fs as pafs
 import pytest
@@ -743,18 +745,27 @@ class Load:
                 self._send(request)
 
     def _send(self, req: Request) -> None:
+        asyncio.run(self._send_async(req))
+
+    async def _send_async(self, req: Request) -> None:
+        # aiohttp, an asyncio streaming client as a service calling the endpoint would use; each thread runs its own
+        # loop. The SSE lines are read raw so that an error event and [DONE] are seen as sent.
+        connect, read = self.timeout
+        timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read)
         try:
-            with requests.post(
-                f"{self.base}/v1/completions",
-                json={**self.body, "stream": req.stream},
-                headers={"x-request-id": req.request_id},
-                stream=req.stream,
-                timeout=self.timeout,
-            ) as response:
-                req.status = response.status_code
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.post(
+                    f"{self.base}/v1/completions",
+                    json={**self.body, "stream": req.stream},
+                    headers={"x-request-id": req.request_id},
+                ) as response,
+            ):
+                req.status = response.status
                 req.replica = response.headers.get(REPLICA_HEADER)
-                if req.stream and response.status_code == 200:
-                    for line in response.iter_lines():
+                if req.stream and response.status == 200:
+                    async for raw in response.content:
+                        line = raw.rstrip(b"\r\n")
                         if line.startswith(b"data: "):
                             payload = line[len(b"data: ") :].decode()
                             event = payload if payload == "[DONE]" else json.loads(payload)
@@ -762,9 +773,9 @@ class Load:
                                 req.first_at = time.monotonic()
                             req.events.append(event)
                 else:
-                    req.body = response.json()
+                    req.body = json.loads(await response.read())
                     req.first_at = time.monotonic()
-        except (requests.RequestException, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             req.exception = repr(exc)
         req.ended = time.monotonic()
 

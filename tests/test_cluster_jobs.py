@@ -181,3 +181,60 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     )
     measured = steps[-1]["state_bytes"]
     assert max(measured) == predicted and min(measured) >= 0.95 * predicted, (predicted, measured)
+
+
+# A job's entrypoint that, like the serving job's `python -m serve`, takes a while to finish after SIGTERM: longer
+# than the 3 s Ray gives a stopped job by default before its SIGKILL.
+SLOW_TO_STOP = """
+import pathlib, signal, sys, time
+
+def drain(signum, frame):
+    time.sleep({drain_s})
+    pathlib.Path(sys.argv[1]).write_text("drained")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, drain)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_ray_job_stop_gives_a_draining_job_the_runtime_envs_grace(head, tmp_path):
+    """`ray job stop` sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s unless set): the project's
+    runtime env sets it for every job, so a job that drains for longer than Ray's default still ends by itself."""
+    address, env = head
+    job_env = env | {"RAY_ADDRESS": address}
+    drain_s = 6
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "slow_to_stop.py").write_text(SLOW_TO_STOP.format(drain_s=drain_s))
+    marker = tmp_path / "drained.txt"
+    job_id = f"raylm-stop-{secrets.token_hex(4)}"
+    submit = [RAY, "job", "submit", "--address", address, "--working-dir", str(work), "--runtime-env",
+              str(RUNTIME_ENV), "--submission-id", job_id, "--no-wait",
+              "--", "python", "slow_to_stop.py", str(marker)]  # fmt: skip
+    for _ in range(30):
+        result = subprocess.run(submit, capture_output=True, text=True, env=job_env, timeout=120)
+        if "No available agent to submit job" not in result.stderr:
+            break
+        time.sleep(2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert int(yaml.safe_load(RUNTIME_ENV.read_text())["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) > drain_s
+
+    def logs() -> str:
+        return subprocess.run([RAY, "job", "logs", "--address", address, job_id], capture_output=True, text=True,
+                              env=job_env, timeout=60).stdout  # fmt: skip
+
+    deadline = time.monotonic() + 120
+    while "ready" not in logs():  # its SIGTERM handler is in place
+        assert time.monotonic() < deadline, logs()
+        time.sleep(0.5)
+    stopped = subprocess.run([RAY, "job", "stop", "--address", address, job_id], capture_output=True, text=True,
+                             env=job_env, timeout=120)  # fmt: skip
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    auth = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
+    job = requests.get(f"{address}/api/jobs/{job_id}", headers=auth, timeout=30).json()
+    assert job["status"] == "STOPPED", job
+    # The drain ran to its end: with Ray's default wait the SIGKILL would have come halfway through it.
+    assert marker.read_text() == "drained"
