@@ -34,6 +34,7 @@ from cluster.stages import (
     run_curate,
     run_eval,
     run_export,
+    run_label,
     run_train,
     tokenizer_source,
     train_material,
@@ -139,7 +140,8 @@ def keyed_outputs(job: Job) -> KeyedChain:
         out = keyed(root, "curate", material, part=source.name if job.is_mixture else None)
         curations.append(Curation(source, out, gathered, tokenizer_of))
     curated = [c.out for c in curations]
-    trained = keyed(root, "train", train_material(job, curated))
+    # Labelled with the spec's name: Ray Train names the run after its directory, and the dashboard lists it so.
+    trained = keyed(root, "train", train_material(job, curated), label=run_label(job.name))
     exported = keyed(root, "export", export_material(trained))
     evaluated = keyed(root, "eval", eval_material(job, curated, exported))
     return KeyedChain(curations, {"train": trained, "export": exported, "eval": evaluated})
@@ -161,6 +163,8 @@ class Chain:
             # to this job's output, where their access lines would cut into the report and the streamed completion.
             # A local Ray's workers inherit this environment; a cluster's get it from cluster/jobs/runtime_env.yaml.
             os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+            # Ray Train lists its runs in the dashboard only with its state tracking on (off by default in 2.60).
+            os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
             # The workers' own output (vLLM's engine, Ray Train's workers, libraries' import warnings) stays in the
             # session's log files too unless asked for: the stages report their progress from this driver, and a
             # worker's error reaches it with the task's or the training run's failure.

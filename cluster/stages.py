@@ -19,6 +19,7 @@ import collections
 import contextlib
 import datetime
 import json
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -45,10 +46,26 @@ class StageOutput:
     part: str | None = None  # which of the stage's outputs, where it has several (a mixture's source): for the report
 
 
-def keyed(root: Location, name: str, material: dict[str, Any], part: str | None = None) -> StageOutput:
-    """The stage's output, at ``root/<name>/<key>`` where the key hashes ``material``."""
+def keyed(
+    root: Location, name: str, material: dict[str, Any], part: str | None = None, label: str | None = None
+) -> StageOutput:
+    """The stage's output, at ``root/<name>/<key>`` where the key hashes ``material``; with a label, at
+    ``root/<name>/<label>-<key>``, unless an output of that key is there already under another label (or under its
+    key alone): the key says what the output is, the label only names it, so that output is this one."""
     key = sha256_json({"stage": name, **material})
-    return StageOutput(name, key, root.join(name, key[:KEY_CHARS]), material, part=part)
+    short = key[:KEY_CHARS]
+    directory = short
+    if label:
+        directory = f"{label}-{short}"
+        same = [d for d in root.join(name).dirs() if d == short or d.endswith(f"-{short}")]
+        if same and directory not in same:
+            directory = same[0]
+    return StageOutput(name, key, root.join(name, directory), material, part=part)
+
+
+def run_label(job_name: str) -> str:
+    """A training run's label: the spec's name, in the characters a directory and Ray Train's run name take."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", job_name)
 
 
 def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:

@@ -230,6 +230,12 @@ class Location:
             if i.type == pafs.FileType.File and i.path.startswith(base)
         )
 
+    def dirs(self) -> list[str]:
+        """Names of the directories directly under this one (prefixes, in object storage), sorted (empty when there
+        is none)."""
+        selector = pafs.FileSelector(self.path, recursive=False, allow_not_found=True)
+        return sorted(i.base_name for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+
     def is_empty(self) -> bool:
         """No file under this directory (a missing directory is empty)."""
         return not self.files()

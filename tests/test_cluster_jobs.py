@@ -156,6 +156,10 @@ def test_the_chain_runs_as_one_job_on_a_started_cluster(head, tmp_path):
     assert lineage["eval"]["scores"]["raylm_val_ppl"]["word_perplexity"] > 1
     assert all(sum(s["tokens"] for s in m["shards"]) > 1_000 for m in manifests)
     run = Path(lineage["train"]["run_dir"])
+    # The dashboard's Train page lists the run by the spec's name (its directory's): the job's runtime env turns
+    # Ray Train's state tracking on.
+    runs = requests.get(f"{address}/api/train/v2/runs/v1", headers=auth, timeout=60).json()["train_runs"]
+    assert run.name.startswith("demo_mixture-") and run.name in {r["name"] for r in runs}, runs
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert [(m["name"], m["path"], m["weight"]) for m in config["data"]["mixture"]] == [
         (s["name"], s["dir"], s["weight"]) for s in sources

@@ -34,6 +34,7 @@ from remote_servers import make_bucket, moto_server, use_s3_endpoint
 
 from cluster.run import main
 from cluster.run_spec import load_job
+from cluster.stages import KEY_CHARS
 from ground.dist import free_port
 from ground.hashing import sha256_file
 from ground.storage import Location
@@ -147,11 +148,13 @@ def test_the_chain_runs_every_stage_and_writes_its_lineage(
     bar = re.compile(r"Running loglikelihood requests:\s+\d+%\|")  # a tqdm bar's start
     assert bar.search((Path(lineage["eval"]["dir"]) / "harness.log").read_text())
     assert not bar.search(chain["stderr"] + chain["stdout"]), chain["stderr"][-3000:]
-    # Each stage's record names its key, which is its directory's name; --where names the same directory.
+    # Each stage's record names its key, which is its directory's name (training's after the spec's name, job.yaml's
+    # "job": Ray Train names the run after its directory); --where names the same directory.
     for stage in ("curate", "train", "export", "eval"):
         (out,) = (root / stage).iterdir()
         record = json.loads((out / "stage.json").read_text())
-        assert record["stage"] == stage and record["key"].startswith(out.name) and record["files"]
+        key = record["key"][:KEY_CHARS]
+        assert record["stage"] == stage and out.name == (f"job-{key}" if stage == "train" else key) and record["files"]
         assert main([str(chain["spec"]), "--where", stage]) == 0
         assert capsys.readouterr().out.strip() == str(out)
     # What a key hashes is recorded with it: the train key, the effective train config and the data's key.
@@ -461,6 +464,30 @@ def test_a_spec_that_fits_is_planned(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([str(spec), "--until", "plan"]) == 0
     assert re.search(r"^\[plan\s*\] done\s+[\d.]+M parameters on 1 × A10G", capsys.readouterr().out, re.MULTILINE)
     assert not (tmp_path / "root").exists()
+
+
+def test_the_training_run_is_named_after_the_spec_and_found_by_its_key_under_another_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def where(name: str) -> Path:
+        spec = write_spec(tmp_path / f"{name}.yaml", str(tmp_path / "root"))
+        assert main([str(spec), "--where", "train"]) == 0
+        return Path(capsys.readouterr().out.strip())
+
+    first = where("first run")
+    key = first.name.rsplit("-", 1)[-1]
+    assert first == tmp_path / "root" / "train" / f"first_run-{key}" and len(key) == KEY_CHARS
+    assert where("second") == first.with_name(f"second-{key}")  # nothing there yet: under its own name
+    first.mkdir(parents=True)  # the first spec's run: the same key under another name is the same run
+    assert where("second") == first
+    first.with_name(f"second-{key}").mkdir()  # its own, when there is one
+    assert where("second") == first.with_name(f"second-{key}")
+    first.rmdir()
+    first.with_name(f"second-{key}").rmdir()
+    first.with_name(key).mkdir()  # a root from before the name: the run under its key alone
+    assert where("second") == first.with_name(key)
+    first.with_name("other-0123456789abcdef").mkdir()  # another key's run is not this one
+    assert where("second") == first.with_name(key)
 
 
 def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sources_tokenizer(
