@@ -51,7 +51,8 @@ def keyed(
 ) -> StageOutput:
     """The stage's output, at ``root/<name>/<key>`` where the key hashes ``material``; with a label, at
     ``root/<name>/<label>-<key>``, unless an output of that key is there already under another label (or under its
-    key alone): the key says what the output is, the label only names it, so that output is this one."""
+    key alone): the key says what the output is, the label only names it, so that output is this one (a finished
+    one first, where there are several)."""
     key = sha256_json({"stage": name, **material})
     short = key[:KEY_CHARS]
     directory = short
@@ -59,7 +60,7 @@ def keyed(
         directory = f"{label}-{short}"
         same = [d for d in root.join(name).dirs() if d == short or d.endswith(f"-{short}")]
         if same and directory not in same:
-            directory = same[0]
+            directory = next((d for d in same if is_published(root.join(name, d), MARKER)), same[0])
     return StageOutput(name, key, root.join(name, directory), material, part=part)
 
 

@@ -488,6 +488,10 @@ def test_the_training_run_is_named_after_the_spec_and_found_by_its_key_under_ano
     assert where("second") == first.with_name(key)
     first.with_name("other-0123456789abcdef").mkdir()  # another key's run is not this one
     assert where("second") == first.with_name(key)
+    finished = first.with_name(f"third-{key}")  # of several, a finished one
+    finished.mkdir()
+    (finished / "stage.json").write_text("{}")
+    assert where("second") == finished
 
 
 def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sources_tokenizer(
