@@ -300,7 +300,15 @@ def test_fused_adamw_is_chosen_for_gpus_only_and_matches_the_default(token_dir: 
     expected = [plain.train_step()["loss"] for _ in range(STEPS)]
     assert [fused.train_step()["loss"] for _ in range(STEPS)] == pytest.approx(expected, rel=1e-5)
     for (name, value), other in zip(plain.gpt.state_dict().items(), fused.gpt.state_dict().values(), strict=True):
-        assert torch.allclose(value, other, atol=1e-6), name
+        if name.endswith("attn.qkv.bias"):
+            # The keys' bias gets no gradient but rounding noise (a softmax is unchanged when every score q.b_k shifts
+            # alike), which Adam scales up to steps of its learning rate: the two implementations' roundings show
+            # there alone (1.3e-6 after 4 steps on an AVX-512 CPU, every other entry within 3e-8).
+            (q, k, v), (q2, k2, v2) = value.view(3, -1), other.view(3, -1)
+            assert torch.allclose(torch.cat([q, v]), torch.cat([q2, v2]), atol=1e-6), name
+            assert torch.allclose(k, k2, atol=1e-5), name
+        else:
+            assert torch.allclose(value, other, atol=1e-6), name
 
 
 def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path, tmp_path: Path) -> None:
