@@ -295,11 +295,12 @@ def test_serving_survives_the_loss_of_the_ingress_node(cluster: MultiNodeCluster
     # (ActorUnavailableError, naming its actor id).
     ids = {o.request_id for o in outcomes}
     failures = {i: record for i, record in serving.proxy_failures().items() if i in ids}
-    assert failures.keys() >= {o.request_id for o in failed}, failures
+    failed_ids = {o.request_id for o in failed}
+    assert failures.keys() >= failed_ids, failures
     # One more can be logged (seen once in a run): a request whose response reached its client whole from the lost
     # ingress, as its node went, before the end of the replica's call came back to the proxy. The client has all of
     # it, and the proxy guard, which acts on unfinished responses only, leaves it alone (its count is checked below).
-    whole = [o for o in outcomes if o.request_id in failures.keys() - {o.request_id for o in failed}]
+    whole = [o for o in outcomes if o.request_id in failures.keys() - failed_ids]
     assert all(o.ok and o.replica == ingress and o.started <= lost_at for o in whole), whole
     for record in failures.values():
         died = f"name: {ingress}\n" in record and "The actor died because its node has died" in record
