@@ -2,6 +2,7 @@
 disk, grouped back one partition at a time, with the same decisions as any other partitioning."""
 
 import collections
+import itertools
 import os
 import random
 import subprocess
@@ -13,19 +14,29 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.steps.dedup import DedupConfig, DedupKeys, doc_key, keyed_batch
-from pipeline.steps.dedup_index import SPILL_PREFIX, BucketIndex, InProcess, resolve_clusters, shard_part
+from pipeline.steps.dedup_index import (
+    SPILL_PREFIX,
+    BucketIndex,
+    InProcess,
+    components,
+    resolve_clusters,
+    shard_part,
+)
 from pipeline.steps.dedup_spill import DocRecords, Partitions
 
 
-@pytest.mark.parametrize("count,words", [(1, 1), (7, 1), (5, 2)])
-def test_partitions_group_exactly_the_keys_held_more_than_once(tmp_path: Path, count: int, words: int) -> None:
+@pytest.mark.parametrize("count,words,max_sort", [(1, 1, 1 << 17), (7, 1, 1 << 17), (5, 2, 1 << 17), (2, 1, 100)])
+def test_partitions_group_exactly_the_keys_held_more_than_once(
+    tmp_path: Path, count: int, words: int, max_sort: int
+) -> None:
+    """(max_sort 100: every file is split on disk before it is grouped.)"""
     rng = np.random.default_rng(count)
     keys = rng.integers(0, 2**64, size=(3000, words), dtype=np.uint64)
     keys[rng.integers(0, 3000, 600)] = keys[rng.integers(0, 3000, 600)]  # planted repeats
     if words == 2:  # keys equal in their first word only are different keys
         keys[10, 0], keys[11, 0] = keys[12, 0], keys[12, 0]
     positions = np.arange(len(keys), dtype=np.uint64)
-    parts = Partitions(tmp_path, "t", count, words=words, flush_entries=256)  # many flushes
+    parts = Partitions(tmp_path, "t", count, words=words, flush_entries=256, max_sort_entries=max_sort)  # many flushes
     for start in range(0, len(keys), 500):
         parts.append(keys[start : start + 500], positions[start : start + 500])
     expected = collections.defaultdict(set)
@@ -35,7 +46,10 @@ def test_partitions_group_exactly_the_keys_held_more_than_once(tmp_path: Path, c
     found = sorted(sorted(g.tolist()) for g in parts.groups())
     assert found == expected_groups and len(found) > 100
     files = list(tmp_path.iterdir())
-    assert len(files) <= count and sum(f.stat().st_size for f in files) == len(keys) * 8 * (words + 1)
+    if max_sort >= len(keys):
+        assert len(files) <= count and sum(f.stat().st_size for f in files) == len(keys) * 8 * (words + 1)
+    else:  # split files go once grouped
+        assert files == []
 
 
 def test_records_read_back_by_position(tmp_path: Path) -> None:
@@ -122,3 +136,49 @@ def test_a_new_shard_removes_the_spills_of_shards_killed_on_its_node(tmp_path: P
     assert not orphan.exists() and live.exists() and other.exists()
     assert shard.spill_dir.name.startswith(f"{SPILL_PREFIX}{os.getpid()}-shard0-")
     shard.close()
+
+
+def lowest_of_components_by_search(size: int, edges: list[tuple[int, int]]) -> list[int]:
+    """The oracle: for each node, the lowest node reachable from it, by breadth-first search."""
+    neighbours = collections.defaultdict(list)
+    for a, b in edges:
+        neighbours[a].append(b)
+        neighbours[b].append(a)
+    lowest = list(range(size))
+    seen: set[int] = set()
+    for start in range(size):
+        if start in seen:
+            continue
+        component, frontier = {start}, [start]
+        while frontier:
+            frontier = [n for node in frontier for n in neighbours[node] if n not in component]
+            component.update(frontier)
+        seen |= component
+        for node in component:
+            lowest[node] = min(component)
+    return lowest
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_components_label_every_node_with_the_lowest_node_of_its_component(seed: int) -> None:
+    rng = random.Random(seed)
+    size = 400
+    edges = [(rng.randrange(size), rng.randrange(size)) for _ in range(250)]
+    chain = rng.sample(range(size), 60)  # a long path in shuffled order: many hops for a label to travel
+    edges += list(itertools.pairwise(chain))
+    a, b = (np.array(ends, dtype=np.int64) for ends in zip(*edges, strict=True))
+    assert components(size, a, b).tolist() == lowest_of_components_by_search(size, edges)
+
+
+def test_a_label_longer_than_a_shards_own_keys_reaches_it_whole() -> None:
+    """Shard 0 sees only B~C, shard 1 only A~B: the cluster's lowest key A, longer and not ASCII, must reach C."""
+    config = DedupConfig(num_index_actors=2, exact={"enabled": False}, minhash={"verify": "none"})
+    key_a = "a-" + "é" * 40 + "\x00s3://bucket/a-much-longer-path/file.warc.wet.gz\x0012345"
+    key_b, key_c = "b\x00s\x000", "c\x00s\x001"
+    shards = [BucketIndex(i, config) for i in range(2)]
+    shared_bucket = np.array([[7], [7]], dtype=np.uint64)
+    shards[0].add([], [key_b, key_c], shared_bucket, None)
+    shards[1].add([], [key_a, key_b], shared_bucket, None)
+    resolve_clusters(shards, InProcess())
+    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
+    assert decisions == {key_b: ("dedup_minhash", key_a), key_c: ("dedup_minhash", key_a)}

@@ -81,7 +81,8 @@ class DedupConfig(BaseModel):
     # (pipeline/steps/dedup_spill.py), in this directory (None: the system's temp dir on that node).
     spill_dir: str | None = None
     # Bucket entries are split over this many files by key; verifying holds one file's entries in memory at a
-    # time (16 bytes each), so a shard's memory is bounded by corpus entries / spill_partitions.
+    # time (16 bytes each). A file grown past 2^17 entries is split on disk first, so a corpus too big for this
+    # count costs disk passes, not memory.
     spill_partitions: int = Field(256, ge=1)
 
     @model_validator(mode="after")

@@ -6,10 +6,18 @@ one code path. Exact keys are spread over the shards by hash and LSH bands by ba
 
 Clusters are the connected components of the edges all shards found. Rather than gathering every edge on one
 process, each document (graph node) is *owned* by one shard (by a stable hash of its key) and the shards run
-min-label propagation: every round each shard proposes, for the nodes in its edges, the smallest label among
-their local component; owners keep the smallest proposal; shards refresh their view of the labels they use.
-When no owner's label changes, every node's label is the lowest key of its component. The coordinator
-(:func:`resolve_clusters`) only passes references between shards and sums counts.
+min-label propagation:
+
+1. Each shard sends the keys of its edges' nodes to their owners once; an owner keeps the keys it owns, sorted,
+   and names each node with an integer id (its rank there and the owner's number). From here on the shards hold
+   integers: edges, labels and messages, not Python strings, so what grows with the duplicates stays small.
+2. Every round each shard proposes, for the nodes in its edges, the lowest id in their local component; owners
+   keep the lowest proposal; shards refresh their view of the labels they use. When no owner's label changes,
+   every node's label is the lowest id of its component.
+3. Ids are not in key order, and the kept document is the lowest *key*: each owner sends, for each label, the
+   lowest key among its nodes with that label to the label's owner, which answers with the lowest of them all.
+
+The coordinator (:func:`resolve_clusters`) only passes references between shards and sums counts.
 """
 
 from __future__ import annotations
@@ -20,18 +28,20 @@ import tempfile
 import time
 import weakref
 import zlib
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ground.storage import Location
 from pipeline.steps.base import Doc
 from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, DedupKeys, MarkDuplicates, doc_key, jaccard, keyed_batch
-from pipeline.steps.dedup_spill import DocRecords, Partitions
+from pipeline.steps.dedup_spill import NO_KEYS, DocRecords, Partitions
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -71,30 +81,66 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _DisjointSet:
-    """Union-find with path halving, the lower key always the root (small enough to write here)."""
+class _Member(NamedTuple):
+    """A bucket's document as verification sees it."""
 
-    def __init__(self) -> None:
-        self.parent: dict[str, str] = {}
+    key: str
+    position: int  # in the shard's records
+    sketch: np.ndarray | None
 
-    def find(self, x: str) -> str:
-        parent = self.parent
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
 
-    def union(self, a: str, b: str) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            lo, hi = (ra, rb) if ra < rb else (rb, ra)
-            self.parent[hi] = lo
+def _pair(a: _Member, b: _Member) -> int:
+    """One int per unordered pair of documents (not a tuple of keys: a shard caches every candidate pair)."""
+    return (a.position << 64) | b.position if a.position < b.position else (b.position << 64) | a.position
+
+
+EDGE_KEPT = 2
+
+
+class _Graph:
+    """One kind's verified edges, as indices into its nodes: their keys until the owners name them, then their
+    ids."""
+
+    def __init__(self, nodes: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        self.nodes, self.a, self.b = nodes, a, b
+        self.ids = np.empty(0, np.int64)
+
+
+class _Owned:
+    """The nodes a shard owns, in key order: their labels (ids while propagating, then the lowest keys)."""
+
+    def __init__(self, keys: np.ndarray, labels: np.ndarray) -> None:
+        self.keys, self.labels = keys, labels
+        self.label_keys = NO_KEYS
+
+
+def components(size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """For each of ``size`` nodes, the lowest node of its connected component under the edges ``a[i]``-``b[i]``.
+
+    Vectorised hooking and pointer jumping over numpy arrays (a handful of passes, each O(edges)): the Python
+    union-find it replaces held a dict entry and a string per node. Every label only ever moves to a lower node of
+    the same component, and the loop ends when every edge's two ends share a label that is its own label; the
+    lowest node of a component is then that label, as nothing can move it lower.
+    """
+    label = np.arange(size, dtype=np.int64)
+    while True:
+        before = label.copy()
+        low = np.minimum(label[a], label[b])
+        for ends in (label[a], label[b], a, b):  # hook both ends and both ends' current labels to the lower label
+            np.minimum.at(label, ends, low)
+        while True:  # pointer jumping: each node's label becomes its label's label, until that changes nothing
+            jumped = label[label]
+            if np.array_equal(jumped, label):
+                break
+            label = jumped
+        if np.array_equal(label, before):
+            return label
 
 
 class BucketIndex:
     """One shard: exact keys, LSH bucket entries and sketches (spilled to local disk, pipeline/steps/dedup_spill.py),
-    the verified edges, and the labels it owns. Only what is a duplicate (edges, labels) stays in memory."""
+    the verified edges, and the labels it owns. Only what is a duplicate (edges, labels) stays in memory, as numpy
+    arrays: integer edges and string keys, not Python objects."""
 
     def __init__(self, shard_id: int, config: DedupConfig) -> None:
         self.shard_id = shard_id
@@ -113,12 +159,14 @@ class BucketIndex:
         self._bands = Partitions(self.spill_dir, "band", config.spill_partitions)
         self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
         self._band_docs = 0
-        self._edges: dict[str, set[tuple[str, str]]] = {"exact": set(), "near": set()}
-        self._owned: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes this shard owns
-        self._view: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # labels of the nodes in its edges
-        self._requests: dict[str, list[list[str]]] = {}  # as owner: what each shard asks it for
-        self._asked: dict[str, list[list[str]]] = {}  # as asker: what it asks each owner for
-        self._num_shards = 1
+        self._graphs: dict[str, _Graph] = {}
+        # Labels of the nodes this shard owns, and of the nodes in its edges.
+        empty = np.empty(0, np.int64)
+        self._owned: dict[str, _Owned] = {kind: _Owned(NO_KEYS, empty) for kind in KINDS}
+        self._view: dict[str, np.ndarray] = {}
+        self._sent: dict[str, list[np.ndarray]] = {}  # as owner: the labels whose lowest key it asked for
+        self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the keys each shard asks it for
+        self._asked: dict[str, list[np.ndarray]] = {}  # as asker: which of its nodes it asks each owner for
         self.stats = {
             "exact_seconds": 0.0,
             "minhash_seconds": 0.0,
@@ -160,28 +208,33 @@ class BucketIndex:
         self.stats["exact_seconds"] += time.perf_counter() - started
         return len(doc_keys)
 
-    def _similar(self, a: tuple[str, np.ndarray | None], b: tuple[str, np.ndarray | None], cache: dict) -> bool:
-        pair = (a[0], b[0]) if a[0] < b[0] else (b[0], a[0])
-        hit = cache.get(pair)
-        if hit is None:
-            mh = self.config.minhash
-            sketch_a, sketch_b = a[1], b[1]
-            if mh.verify == "none":
-                hit = True
-            elif sketch_a is None or sketch_b is None:
-                raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
-            elif mh.verify == "jaccard":
-                hit = jaccard(sketch_a, sketch_b) >= mh.threshold
-            else:
-                hit = float(np.mean(sketch_a == sketch_b)) >= mh.threshold
-            cache[pair] = hit
-            self.stats["candidates"] += 1
-            self.stats["verified"] += hit
+    def _similar(self, a: _Member, b: _Member, cache: dict[int, int]) -> bool:
+        pair = _pair(a, b)
+        known = cache.get(pair)
+        if known is not None:
+            return known > 0
+        mh = self.config.minhash
+        if mh.verify == "none":
+            hit = True
+        elif a.sketch is None or b.sketch is None:
+            raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
+        elif mh.verify == "jaccard":
+            hit = jaccard(a.sketch, b.sketch) >= mh.threshold
+        else:
+            hit = float(np.mean(a.sketch == b.sketch)) >= mh.threshold
+        cache[pair] = int(hit)
+        self.stats["candidates"] += 1
+        self.stats["verified"] += hit
         return hit
 
-    def _members(self, positions: np.ndarray) -> list[tuple[str, np.ndarray | None]]:
-        """A bucket's documents, each key once (a retried batch adds copies), in key order."""
-        return sorted(dict(self._records.read(positions)).items(), key=lambda member: member[0])
+    def _members(self, positions: np.ndarray) -> list[_Member]:
+        """A bucket's documents in key order, each key once at its lowest position (a retried batch adds copies;
+        the lowest position is the same in every bucket the copies share)."""
+        first: dict[str, _Member] = {}
+        for position, (key, sketch) in zip(positions.tolist(), self._records.read(positions), strict=True):
+            if key not in first or position < first[key].position:
+                first[key] = _Member(key, position, sketch)
+        return sorted(first.values(), key=lambda member: member.key)
 
     def finalize(self) -> int:
         """Verify the candidates of every shared bucket; a member joins the first (lowest-key) verified center.
@@ -189,25 +242,50 @@ class BucketIndex:
         so the edges do not depend on the order documents arrived in. The spill files are removed after."""
         started = time.perf_counter()
         self.stats["spilled_bytes"] = self.spilled_bytes()
+        exact = array("q")  # edges as flat (position, position) pairs
         for positions in self._exact.groups():
-            keys = sorted({key for key, _ in self._records.read(positions)})
-            self._edges["exact"].update((key, keys[0]) for key in keys[1:])
+            members = self._members(positions)
+            for member in members[1:]:
+                exact += array("q", (member.position, members[0].position))
         self.stats["exact_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
-        cache: dict[tuple[str, str], bool] = {}  # a pair sharing several bands is verified once
-        edges = self._edges["near"]
+        # A pair sharing several bands is verified once: 0 not similar, 1 similar, EDGE_KEPT its edge recorded.
+        cache: dict[int, int] = {}
+        near = array("q")
         for positions in self._bands.groups():
-            centers: list[tuple[str, np.ndarray | None]] = []
+            centers: list[_Member] = []
             for member in self._members(positions):
                 center = next((c for c in centers if self._similar(member, c, cache)), None)
                 if center is None:
                     centers.append(member)
                 else:
-                    edges.add((member[0], center[0]))
-        edges |= self._edges["exact"]  # an exact duplicate is also a near one
+                    pair = _pair(member, center)
+                    if cache[pair] != EDGE_KEPT:  # the same pair joined in another band: the edge is there
+                        cache[pair] = EDGE_KEPT
+                        near += array("q", (member.position, center.position))
+        del cache
+        exact_pairs = np.frombuffer(exact, np.int64).reshape(-1, 2)
+        near_pairs = np.frombuffer(near, np.int64).reshape(-1, 2)  # each pair once (EDGE_KEPT)
+        # An exact duplicate is also a near one.
+        self._graphs = self._edge_graphs({"exact": exact_pairs, "near": np.concatenate([exact_pairs, near_pairs])})
         self.close()
         self.stats["verify_seconds"] += time.perf_counter() - started
-        return len(edges)
+        return len(self._graphs["near"].a)
+
+    def _edge_graphs(self, pairs: dict[str, np.ndarray]) -> dict[str, _Graph]:
+        """Each kind's position pairs as a graph over the positions, each edge once, with the key at each. The
+        keys are read once for every kind, and not sorted here: the owners sort them once (``register``), and
+        give the copies of one document (a retried batch) the same id."""
+        positions, end_at = np.unique(np.concatenate([p.reshape(-1) for p in pairs.values()]), return_inverse=True)
+        keys = self._records.keys(positions)
+        graphs, start = {}, 0
+        for kind, kind_pairs in pairs.items():
+            ends = np.sort(end_at[start : start + kind_pairs.size].reshape(-1, 2), axis=1)
+            start += kind_pairs.size
+            used, ends = np.unique(np.unique(ends, axis=0), return_inverse=True)  # each edge once
+            ends = ends.reshape(-1, 2)
+            graphs[kind] = _Graph(keys if len(used) == len(keys) else keys[used], ends[:, 0].copy(), ends[:, 1].copy())
+        return graphs
 
     def spilled_bytes(self) -> int:
         """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries)."""
@@ -221,84 +299,137 @@ class BucketIndex:
         self._removal()
 
     # ---- min-label propagation (see the module docstring) ----
+    # Keys cross between shards twice: once to name each node (its owner gives it an integer id) and once to name
+    # each cluster's lowest key. Every round in between moves only integer ids.
 
-    def requests(self, kind: str, num_shards: int) -> list[list[str]]:
-        """The nodes of this shard's edges, split by owner: what it asks each owner for every round."""
-        self._num_shards = num_shards
-        nodes = sorted({n for edge in self._edges[kind] for n in edge})
-        self._view[kind] = {n: n for n in nodes}
-        parts: list[list[str]] = [[] for _ in range(num_shards)]
-        for n in nodes:
-            parts[owner_of(n, num_shards)].append(n)
-        self._asked[kind] = parts  # the same nodes are refreshed from the same owners every round
-        return _parts(parts)
+    def requests(self, kind: str, num_shards: int) -> Any:
+        """The keys of this shard's nodes, split by owner: what it asks each owner to name."""
+        nodes = self._graphs[kind].nodes
+        owners = np.fromiter((owner_of(n, num_shards) for n in nodes), np.int64, len(nodes))  # no list of keys
+        # The same nodes are refreshed from the same owners every round.
+        self._asked[kind] = [np.flatnonzero(owners == j) for j in range(num_shards)]
+        graph = self._graphs[kind]
+        graph.nodes = NO_KEYS  # the owners keep the keys; this shard goes on with the ids they give (adopt)
+        return _parts([nodes if len(asked) == len(nodes) else nodes[asked] for asked in self._asked[kind]])
 
-    def register(self, kind: str, *asked: list[str]) -> int:
-        self._requests[kind] = list(asked)
-        return sum(len(a) for a in asked)
+    def register(self, kind: str, *asked: np.ndarray) -> Any:
+        """As owner: keep the keys the shards ask about, sorted, and answer each shard with their ids. A node's id
+        is its rank among its owner's keys times the shard count plus the owner's number: unique, and its owner is
+        ``id % shards``. Id order is not key order; the lowest key is found after the propagation."""
+        num_shards = len(asked)
+        keys = np.concatenate(asked)
+        keys.sort()  # in place: np.unique would hold two more copies of every key
+        first = np.concatenate([[True], keys[1:] != keys[:-1]]) if len(keys) else np.ones(0, bool)
+        if not first.all():  # a key asked twice (two shards, or a retried batch's copies): one copy
+            keys = keys[first]
+        self._owned[kind] = _Owned(keys, np.arange(len(keys), dtype=np.int64) * num_shards + self.shard_id)
+        self._requests[kind] = [np.searchsorted(keys, a) for a in asked]
+        return _parts([self._owned[kind].labels[rank] for rank in self._requests[kind]])
+
+    def adopt(self, kind: str, *ids: np.ndarray) -> int:
+        """Take the ids the owners gave this shard's nodes."""
+        graph = self._graphs[kind]
+        graph.ids = np.empty(sum(len(asked) for asked in self._asked[kind]), np.int64)
+        for asked, owner_ids in zip(self._asked[kind], ids, strict=True):
+            graph.ids[asked] = owner_ids
+        self._view[kind] = graph.ids.copy()
+        return len(graph.ids)
 
     def propose(self, kind: str) -> Any:
+        """For each node of its edges, the lowest label of its local component (edges plus the labels it has)."""
         started = time.perf_counter()
-        view = self._view[kind]
-        sets = _DisjointSet()
-        for a, b in self._edges[kind]:
-            sets.union(a, b)
-        for node, label in view.items():
-            sets.union(node, label)
-        parts: list[list[tuple[str, str]]] = [[] for _ in range(self._num_shards)]
-        for node in sets.parent:
-            parts[owner_of(node, self._num_shards)].append((node, sets.find(node)))
+        graph, view = self._graphs[kind], self._view[kind]
+        universe = np.unique(np.concatenate([graph.ids, view]))  # its nodes and the labels it has heard of
+        node_at = np.searchsorted(universe, graph.ids)
+        lowest = components(
+            len(universe),
+            np.concatenate([node_at[graph.a], node_at]),
+            np.concatenate([node_at[graph.b], np.searchsorted(universe, view)]),
+        )
+        labels = universe[lowest[node_at]]
         self.stats["resolve_seconds"] += time.perf_counter() - started
-        return _parts(parts)
+        return _parts([np.stack([graph.ids[asked], labels[asked]]) for asked in self._asked[kind]])
 
-    def receive(self, kind: str, *proposals: list[tuple[str, str]]) -> int:
+    def receive(self, kind: str, *proposals: np.ndarray) -> int:
+        """As owner: keep each node's lowest label; returns how many labels went lower."""
         owned = self._owned[kind]
-        changed = 0
-        for part in proposals:
-            for node, label in part:
-                current = owned.get(node, node)
-                if label < current:
-                    owned[node] = label
-                    changed += 1
-                elif node not in owned:
-                    owned[node] = current
+        before = owned.labels.copy()
+        for nodes, labels in proposals:
+            np.minimum.at(owned.labels, nodes // len(proposals), labels)
         self.stats["rounds"] += 1
-        return changed
+        return int(np.count_nonzero(owned.labels != before))
 
     def answer(self, kind: str) -> Any:
-        owned = self._owned[kind]
-        return _parts([[owned.get(n, n) for n in asked] for asked in self._requests[kind]])
+        labels = self._owned[kind].labels
+        return _parts([labels[rank] for rank in self._requests[kind]])
 
-    def refresh(self, kind: str, *answers: list[str]) -> int:
+    def refresh(self, kind: str, *answers: np.ndarray) -> int:
         view = self._view[kind]
         for asked, labels in zip(self._asked[kind], answers, strict=True):
-            view.update(zip(asked, labels, strict=True))
+            view[asked] = labels
         return len(view)
+
+    def lowest_keys(self, kind: str, num_shards: int) -> Any:
+        """As owner, once the labels are final: for each cluster its nodes are in, the lowest of their keys (keys
+        are sorted, so each label's first node), sent to the owner of the cluster's label."""
+        owned = self._owned[kind]
+        labels, first = np.unique(owned.labels, return_index=True)
+        owner = labels % num_shards
+        self._sent[kind] = [labels[owner == j] for j in range(num_shards)]
+        return _parts([(labels[owner == j], owned.keys[first[owner == j]]) for j in range(num_shards)])
+
+    def settle(self, kind: str, *lowest: tuple[np.ndarray, np.ndarray]) -> Any:
+        """As a label's owner: the lowest key over every shard's lowest, answered to each shard for its labels."""
+        labels = np.concatenate([part[0] for part in lowest])
+        keys = np.concatenate([part[1] for part in lowest])
+        order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
+        labels, keys = labels[order], keys[order]
+        first = np.flatnonzero(np.concatenate([[True], labels[1:] != labels[:-1]])) if len(labels) else order
+        labels, keys = labels[first], keys[first]
+        return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
+
+    def accept(self, kind: str, *keys: np.ndarray) -> int:
+        """As owner: each node's label becomes its cluster's lowest key."""
+        owned = self._owned[kind]
+        labels = np.concatenate(self._sent.pop(kind))
+        lowest = np.concatenate(keys)
+        order = np.argsort(labels)
+        owned.label_keys = lowest[order][np.searchsorted(labels[order], owned.labels)]
+        return len(owned.label_keys)
 
     # ---- results ----
 
+    def decision_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, stages, kept keys) of every duplicate this shard owns, as UTF-8 byte-string arrays."""
+        near, exact = self._owned["near"], self._owned["exact"]
+        # Every exact node is a near node, with the same owner; an exact duplicate is reported as one.
+        exact_dup = exact.label_keys != exact.keys
+        is_near = near.label_keys != near.keys
+        is_near[np.searchsorted(near.keys, exact.keys[exact_dup])] = False
+        keys = np.concatenate([exact.keys[exact_dup], near.keys[is_near]])
+        stages = np.repeat(np.array([EXACT.encode(), MINHASH.encode()]), [exact_dup.sum(), is_near.sum()])
+        return keys, stages, np.concatenate([exact.label_keys[exact_dup], near.label_keys[is_near]])
+
     def decisions(self) -> dict[str, tuple[str, str]]:
         """(stage, kept key) for every duplicate this shard owns."""
-        exact, near = self._owned["exact"], self._owned["near"]
-        out: dict[str, tuple[str, str]] = {}
-        for node, label in near.items():
-            root = exact.get(node, node)
-            if root != node:
-                out[node] = (EXACT, root)
-            elif label != node:
-                out[node] = (MINHASH, label)
-        return out
+        keys, stages, kept = self.decision_arrays()
+        return {
+            key.decode(): (stage.decode(), k.decode())
+            for key, stage, k in zip(keys.tolist(), stages.tolist(), kept.tolist(), strict=True)
+        }
 
     def write_decisions(self, path: Location) -> int:
         """Write this shard's decisions as parquet sorted by (source, key), for per-file lookups by workers."""
-        rows = sorted(
-            ((key.split("\x00")[1], key, stage, kept) for key, (stage, kept) in self.decisions().items()),
+        # Through Python bytes: pyarrow reads a numpy byte string only up to its first NUL, and keys hold NULs.
+        keys, stages, kept = (
+            pa.array(column.tolist(), pa.binary()).cast(pa.string()) for column in self.decision_arrays()
         )
-        columns: list[Sequence[Any]] = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
-        table = pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=DECISION_SCHEMA)
+        source = pc.list_element(pc.split_pattern(keys, "\x00"), 1) if len(keys) else pa.array([], pa.string())
+        table = pa.Table.from_arrays([source, keys, stages, kept], schema=DECISION_SCHEMA)
+        table = table.sort_by([("source", "ascending"), ("doc_key", "ascending")])
         with path.open_output() as out:
             pq.write_table(table, out)
-        return len(rows)
+        return table.num_rows
 
     def get_stats(self) -> dict:
         return dict(self.stats)
@@ -339,19 +470,23 @@ def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
         results = calls.each(shards, method, args, num_returns=n)
         return results if n > 1 else [[r] for r in results]
 
+    def exchange(sent: list, method: str, kind: str, split: bool = False) -> list:
+        """Call ``method`` on every shard j with what each shard i sent it (``sent[i][j]``); ``split``: its
+        results are one per destination shard."""
+        args = [(kind, *[sent[i][j] for i in range(n)]) for j in range(n)]
+        return parts(method, args) if split else calls.each(shards, method, args)
+
     calls.get(calls.each(shards, "finalize", [()] * n))
     for kind in KINDS:
-        asked = parts("requests", [(kind, n)] * n)
-        calls.get(calls.each(shards, "register", [(kind, *[asked[i][j] for i in range(n)]) for j in range(n)]))
+        ids = exchange(parts("requests", [(kind, n)] * n), "register", kind, split=True)
+        calls.get(exchange(ids, "adopt", kind))
         while True:
-            proposals = parts("propose", [(kind,)] * n)
-            changed = calls.get(
-                calls.each(shards, "receive", [(kind, *[proposals[i][j] for i in range(n)]) for j in range(n)])
-            )
+            changed = calls.get(exchange(parts("propose", [(kind,)] * n), "receive", kind))
             if not sum(changed):
                 break
-            answers = parts("answer", [(kind,)] * n)
-            calls.get(calls.each(shards, "refresh", [(kind, *[answers[j][i] for j in range(n)]) for i in range(n)]))
+            calls.get(exchange(parts("answer", [(kind,)] * n), "refresh", kind))
+        lowest = exchange(parts("lowest_keys", [(kind, n)] * n), "settle", kind, split=True)
+        calls.get(exchange(lowest, "accept", kind))
 
 
 def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:

@@ -3,8 +3,10 @@
 An index shard appends each batch's documents (key and verification sketch) to one record file, and each
 (bucket key, document) entry to one of ``spill_partitions`` files chosen by the key. Verifying then reads one
 partition at a time: it sorts the partition by key and reads back, by position, only the members of buckets that
-hold two or more documents. A shard's resident memory is its write buffer plus one sorted partition, about
-``16 × entries / spill_partitions`` bytes, where the in-memory index held every key, bucket and sketch.
+hold two or more documents. A shard's resident memory is its write buffer plus one sorted partition, and a
+partition grown past ``max_sort_entries`` (a corpus too big for its ``spill_partitions``) is split on disk before
+it is sorted, so that memory stays bounded whatever the corpus; the in-memory index held every key, bucket and
+sketch.
 
 Written here rather than taken from a library: datasketch's LSH keeps its tables in memory (or in Redis or
 Cassandra, a service to run), and datatrove's disk-sorted MinHash is bound to its own pipeline executor.
@@ -18,6 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+# Document keys as numpy byte strings (UTF-8, fixed width: the longest key's) where a shard holds many: one copy of
+# the bytes each, where a Python string costs ~50 bytes more in objects the allocator seldom gives back, and sorted,
+# compared and searched without a Python loop. UTF-8's byte order is the code point order Python sorts strings
+# by; padding with NUL keeps that order because a key never ends in NUL (it ends in its record offset).
+# (numpy's variable-width StringDType was the first choice; its searchsorted gives wrong answers in numpy 2.3.)
+NO_KEYS = np.array([], dtype="S1")
+_MAX_SPLITS = 3  # a file still too big after three splits holds one key many times over: it is sorted as it is
 _NO_SKETCH = 0xFFFFFFFF  # a record's sketch length when the document was added without one
 
 
@@ -67,6 +76,22 @@ class DocRecords:
             out.append((raw[:key_len].decode("utf-8"), sketch))
         return out
 
+    def keys(self, positions: np.ndarray) -> np.ndarray:
+        """The key of each position as UTF-8 bytes in one numpy byte-string array (see ``NO_KEYS``), filled in
+        place: a list of the keys as Python bytes first would hold each key twice over."""
+        size = self._INDEX.itemsize
+        entries = np.empty(len(positions), self._INDEX)
+        for i, pos in enumerate(positions.tolist()):
+            entries[i] = np.frombuffer(os.pread(self._index.fileno(), size, pos * size), self._INDEX)[0]
+        if not len(entries):
+            return NO_KEYS
+        keys = np.empty(len(entries), f"S{int(entries['key_len'].max())}")
+        for i, (offset, key_len) in enumerate(
+            zip(entries["offset"].tolist(), entries["key_len"].tolist(), strict=True)
+        ):
+            keys[i] = os.pread(self._data.fileno(), key_len, offset)
+        return keys
+
     def close(self) -> None:
         self._data.close()
         self._index.close()
@@ -76,10 +101,21 @@ class Partitions:
     """(key, position) entries in ``count`` append-only files chosen by the key, read back one file at a time as
     groups of the positions that share a key. A key is ``words`` 64-bit words (two for a 16-byte exact key)."""
 
-    def __init__(self, directory: Path, name: str, count: int, words: int = 1, flush_entries: int = 1 << 18) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        count: int,
+        words: int = 1,
+        flush_entries: int = 1 << 18,
+        max_sort_entries: int = 1 << 17,
+    ) -> None:
         self._paths = [directory / f"{name}-{p:05d}.bin" for p in range(count)]
         self._entry = np.dtype([("key", "<u8", (words,)), ("pos", "<u8")])
         self._flush_entries = flush_entries
+        # Grouping sorts one file's entries in memory, about 40 bytes each at its peak: a file holding more is
+        # split first, so a shard's memory does not grow with the corpus (2^17 entries: ~5 MB).
+        self._max_sort_entries = max_sort_entries
         self._pending: list[np.ndarray] = []
         self._pending_entries = 0
         self.count = 0
@@ -110,17 +146,41 @@ class Partitions:
                 entries[bounds[p] : bounds[p + 1]].tofile(out)
 
     def groups(self) -> Iterator[np.ndarray]:
-        """The positions of every key held by two or more entries, one partition in memory at a time."""
+        """The positions of every key held by two or more entries, at most ``max_sort_entries`` in memory at a
+        time."""
         self.flush()
         for path in self._paths:
-            if not path.exists():
-                continue
-            entries = np.fromfile(path, self._entry)
-            keys = entries["key"]
-            order = np.lexsort(keys.T[::-1])
-            keys, positions = keys[order], entries["pos"][order]
-            del entries, order
-            starts = np.flatnonzero(np.concatenate(([True], np.any(keys[1:] != keys[:-1], axis=1))))
-            ends = np.append(starts[1:], len(keys))
-            for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
-                yield positions[start:end]
+            if path.exists():
+                yield from self._groups_in(path, level=0)
+
+    def _groups_in(self, path: Path, level: int) -> Iterator[np.ndarray]:
+        entries_in_file = path.stat().st_size // self._entry.itemsize
+        if entries_in_file > self._max_sort_entries and level < _MAX_SPLITS:
+            # Too many to sort in memory (the corpus outgrew spill_partitions): split the file by other bits of the
+            # key, a bounded chunk at a time, then group each part. Keys are hashes, so the parts come out even.
+            fanout = min(2 * -(-entries_in_file // self._max_sort_entries), 256)
+            parts = [path.with_name(f"{path.name}.{level}-{k:03d}") for k in range(fanout)]
+            shift = np.uint64(24 + 8 * level)  # above the bits that chose the partition (and earlier splits)
+            with open(path, "rb") as whole:
+                while len(chunk := np.fromfile(whole, self._entry, count=self._max_sort_entries)):
+                    part_of = (chunk["key"][:, 0] >> shift) % np.uint64(fanout)
+                    order = np.argsort(part_of, kind="stable")
+                    bounds = np.searchsorted(part_of[order], np.arange(fanout + 1, dtype=np.uint64))
+                    for k in np.flatnonzero(np.diff(bounds)):
+                        with open(parts[k], "ab") as out:
+                            chunk[order[bounds[k] : bounds[k + 1]]].tofile(out)
+            path.unlink()
+            for part in parts:
+                if part.exists():
+                    yield from self._groups_in(part, level + 1)
+                    part.unlink()
+            return
+        entries = np.fromfile(path, self._entry)
+        keys = entries["key"]
+        order = np.lexsort(keys.T[::-1])
+        keys, positions = keys[order], entries["pos"][order]
+        del entries, order
+        starts = np.flatnonzero(np.concatenate(([True], np.any(keys[1:] != keys[:-1], axis=1))))
+        ends = np.append(starts[1:], len(keys))
+        for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
+            yield positions[start:end]
