@@ -454,7 +454,8 @@ class StreamingLoad:
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.outcomes: list[tuple[str, object]] = []  # ("ok", finish_reason) or ("failed", exception)
-        self.health: list[object] = []  # each /health poll's status code, or the exception it raised
+        # Each /health poll's status code (with the body's reason when it is not 200), or the exception it raised.
+        self.health: list[object] = []
         self.threads = [threading.Thread(target=self._stream, daemon=True) for _ in range(LOAD_CLIENTS)]
         self.threads.append(threading.Thread(target=self._poll_health, args=(base,), daemon=True))
         for thread in self.threads:
@@ -463,7 +464,8 @@ class StreamingLoad:
     def _poll_health(self, base: str) -> None:
         while not self.stop.wait(0.5):
             try:
-                self.health.append(requests.get(f"{base}/health", timeout=30).status_code)
+                answer = requests.get(f"{base}/health", timeout=30)
+                self.health.append(200 if answer.status_code == 200 else (answer.status_code, answer.text[:300]))
             except requests.RequestException as exc:
                 self.health.append(exc)
 
