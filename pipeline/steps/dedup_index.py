@@ -97,6 +97,11 @@ def _pair(a: _Member, b: _Member) -> int:
 EDGE_KEPT = 2
 
 
+def _first_of_runs(ordered: np.ndarray) -> np.ndarray:
+    """True where a sorted array's value differs from the one before it: each distinct value's first place."""
+    return np.concatenate([[True], ordered[1:] != ordered[:-1]]) if len(ordered) else np.ones(0, bool)
+
+
 class _Graph:
     """One kind's verified edges, as indices into its nodes: their keys until the owners name them, then their
     ids."""
@@ -164,7 +169,6 @@ class BucketIndex:
         empty = np.empty(0, np.int64)
         self._owned: dict[str, _Owned] = {kind: _Owned(NO_KEYS, empty) for kind in KINDS}
         self._view: dict[str, np.ndarray] = {}
-        self._sent: dict[str, list[np.ndarray]] = {}  # as owner: the labels whose lowest key it asked for
         self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the keys each shard asks it for
         self._asked: dict[str, list[np.ndarray]] = {}  # as asker: which of its nodes it asks each owner for
         self.stats = {
@@ -304,11 +308,11 @@ class BucketIndex:
 
     def requests(self, kind: str, num_shards: int) -> Any:
         """The keys of this shard's nodes, split by owner: what it asks each owner to name."""
-        nodes = self._graphs[kind].nodes
+        graph = self._graphs[kind]
+        nodes = graph.nodes
         owners = np.fromiter((owner_of(n, num_shards) for n in nodes), np.int64, len(nodes))  # no list of keys
         # The same nodes are refreshed from the same owners every round.
         self._asked[kind] = [np.flatnonzero(owners == j) for j in range(num_shards)]
-        graph = self._graphs[kind]
         graph.nodes = NO_KEYS  # the owners keep the keys; this shard goes on with the ids they give (adopt)
         return _parts([nodes if len(asked) == len(nodes) else nodes[asked] for asked in self._asked[kind]])
 
@@ -319,7 +323,7 @@ class BucketIndex:
         num_shards = len(asked)
         keys = np.concatenate(asked)
         keys.sort()  # in place: np.unique would hold two more copies of every key
-        first = np.concatenate([[True], keys[1:] != keys[:-1]]) if len(keys) else np.ones(0, bool)
+        first = _first_of_runs(keys)
         if not first.all():  # a key asked twice (two shards, or a retried batch's copies): one copy
             keys = keys[first]
         self._owned[kind] = _Owned(keys, np.arange(len(keys), dtype=np.int64) * num_shards + self.shard_id)
@@ -375,7 +379,6 @@ class BucketIndex:
         owned = self._owned[kind]
         labels, first = np.unique(owned.labels, return_index=True)
         owner = labels % num_shards
-        self._sent[kind] = [labels[owner == j] for j in range(num_shards)]
         return _parts([(labels[owner == j], owned.keys[first[owner == j]]) for j in range(num_shards)])
 
     def settle(self, kind: str, *lowest: tuple[np.ndarray, np.ndarray]) -> Any:
@@ -384,14 +387,15 @@ class BucketIndex:
         keys = np.concatenate([part[1] for part in lowest])
         order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
         labels, keys = labels[order], keys[order]
-        first = np.flatnonzero(np.concatenate([[True], labels[1:] != labels[:-1]])) if len(labels) else order
+        first = _first_of_runs(labels)
         labels, keys = labels[first], keys[first]
         return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
 
     def accept(self, kind: str, *keys: np.ndarray) -> int:
         """As owner: each node's label becomes its cluster's lowest key."""
         owned = self._owned[kind]
-        labels = np.concatenate(self._sent.pop(kind))
+        labels = np.unique(owned.labels)  # what lowest_keys sent, grouped as it sent them: by the label's owner
+        labels = np.concatenate([labels[labels % len(keys) == j] for j in range(len(keys))])
         lowest = np.concatenate(keys)
         order = np.argsort(labels)
         owned.label_keys = lowest[order][np.searchsorted(labels[order], owned.labels)]

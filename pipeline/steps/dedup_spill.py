@@ -66,9 +66,8 @@ class DocRecords:
         """(key, sketch or None) of each position, read with positioned reads (no mapping: pages read here are
         the OS's cache, not this process's resident memory)."""
         out = []
-        size = self._INDEX.itemsize
         for pos in positions:
-            entry = np.frombuffer(os.pread(self._index.fileno(), size, int(pos) * size), self._INDEX)[0]
+            entry = self._entry(int(pos))
             key_len, sketch_len = int(entry["key_len"]), int(entry["sketch_len"])
             has_sketch = sketch_len != _NO_SKETCH
             raw = os.pread(self._data.fileno(), key_len + (sketch_len if has_sketch else 0), int(entry["offset"]))
@@ -79,10 +78,9 @@ class DocRecords:
     def keys(self, positions: np.ndarray) -> np.ndarray:
         """The key of each position as UTF-8 bytes in one numpy byte-string array (see ``NO_KEYS``), filled in
         place: a list of the keys as Python bytes first would hold each key twice over."""
-        size = self._INDEX.itemsize
         entries = np.empty(len(positions), self._INDEX)
         for i, pos in enumerate(positions.tolist()):
-            entries[i] = np.frombuffer(os.pread(self._index.fileno(), size, pos * size), self._INDEX)[0]
+            entries[i] = self._entry(pos)
         if not len(entries):
             return NO_KEYS
         keys = np.empty(len(entries), f"S{int(entries['key_len'].max())}")
@@ -91,6 +89,11 @@ class DocRecords:
         ):
             keys[i] = os.pread(self._data.fileno(), key_len, offset)
         return keys
+
+    def _entry(self, pos: int) -> np.void:
+        """A position's (offset, key length, sketch length) from the index file."""
+        size = self._INDEX.itemsize
+        return np.frombuffer(os.pread(self._index.fileno(), size, pos * size), self._INDEX)[0]
 
     def close(self) -> None:
         self._data.close()
