@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -44,7 +45,9 @@ from serve.tracing import RequestTrace, RequestTracer, RequestTracing, request_t
 
 log = logging.getLogger(__name__)
 
-ENGINE_HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica's own check before answering 503
+# /health waits this long for a sign of life from the engine (its own health check answered, or any request's answer
+# or stream chunk) before answering 503; an answer this recent counts without asking.
+ENGINE_HEALTH_TIMEOUT_S = 5.0
 
 api = FastAPI(title="raylm serve", description="OpenAI-compatible completions for raylm exports, on vLLM.")
 install_error_handlers(api)
@@ -88,24 +91,60 @@ class RayLMIngress(OpenAiIngress):
             engine_replica_usd_per_hour=args.engine_replica_usd_per_hour(),
         )
         self.tracer = RequestTracer(args.tracing, export.name, self.replica) if args.tracing.endpoint else None
+        # When the engine last answered anything, and the event /health waits on for its next answer (set, then
+        # dropped, on each answer; made only while a /health call waits).
+        self._engine_answered_at = -math.inf
+        self._next_engine_answer: asyncio.Event | None = None
         metrics_at = f"{self.metrics.host}:{self.metrics.port}"
         log.info("serving %s (lineage %s), metrics on %s", export.name, export.lineage_id, metrics_at)
 
     # ---- raylm's routes ----------------------------------------------------------------------------------
 
     async def health(self) -> JSONResponse:
-        """200 once an engine replica answers its own health check (a load balancer then routes here), 503 while
-        none does: the engine is still starting (vLLM takes a minute on a CPU), or every replica is down."""
+        """200 once the engine shows it is up (a load balancer then routes here), 503 while it does not: the engine
+        is still starting (vLLM takes a minute on a CPU), or every replica is down."""
         body = {"model": self.export.name, "lineage_id": self.export.lineage_id}
         if self.drain.draining:
             reason = "the server is shutting down: finishing the requests in flight, taking no new ones"
             return JSONResponse({"status": "draining", "reason": reason, **body}, status_code=503)
         try:
-            await asyncio.wait_for(self.engine.check_health.remote(), ENGINE_HEALTH_TIMEOUT_S)
-        except Exception as exc:  # no replica within the timeout, or the engine said it is unhealthy
+            await self._engine_alive()
+        except Exception as exc:  # no sign of life within the timeout, or the engine said it is unhealthy
             reason = "no engine replica is ready" if isinstance(exc, TimeoutError) else f"engine unhealthy: {exc!r}"
             return JSONResponse({"status": "unavailable", "reason": reason, **body}, status_code=503)
         return JSONResponse({"status": "ok", **body})
+
+    async def _engine_alive(self) -> None:
+        """Returns once the engine shows it is up: it answered a request within ENGINE_HEALTH_TIMEOUT_S, or, asked
+        now, it answers its own health check or any request within that time. Raises TimeoutError when it does not,
+        and the engine's error when its check fails.
+
+        Why requests' answers count: the check is a call on the engine's handle like any request, so when every
+        replica holds max_ongoing_requests (a loaded server, long streams) it queues behind them, and a healthy,
+        busy engine would be reported down."""
+        if time.monotonic() - self._engine_answered_at < ENGINE_HEALTH_TIMEOUT_S:
+            return
+        if self._next_engine_answer is None:
+            self._next_engine_answer = asyncio.Event()
+        check = asyncio.ensure_future(self.engine.check_health.remote())
+        answer = asyncio.ensure_future(self._next_engine_answer.wait())
+        try:
+            done, _ = await asyncio.wait(
+                (check, answer), timeout=ENGINE_HEALTH_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            check.cancel()  # still queued behind requests when an answer came first
+            answer.cancel()
+        if not done:
+            raise TimeoutError
+        if check in done:
+            check.result()  # the engine's own verdict: raises when it says it is unhealthy
+
+    def _engine_answered(self) -> None:
+        self._engine_answered_at = time.monotonic()
+        if self._next_engine_answer is not None:
+            self._next_engine_answer.set()
+            self._next_engine_answer = None
 
     # The routes below override OpenAiIngress's with other types on purpose: the model list and card are the
     # export's own (its lineage), answered as JSON; the requests are the public openai_api_models' classes.
@@ -182,6 +221,7 @@ class RayLMIngress(OpenAiIngress):
     def _counted(self, response: Response, outcome: Outcome, arrival: float, trace: RequestTrace | None) -> Response:
         """Record how the request ended (for the accounting's count, and its trace) and its latency, as the client
         sees them."""
+        self._engine_answered()
         if isinstance(response, StreamingResponse):
             if trace:
                 trace.first_output()  # the ingress returns a stream once its first chunk is in
@@ -207,6 +247,7 @@ class RayLMIngress(OpenAiIngress):
         cut = False
         try:
             async for chunk in self.drain.chunks_until_cut(chunks):
+                self._engine_answered()
                 if '"finish_reason":"length"' in chunk:
                     outcome.finish_reason = "length"
                 if 'data: {"error"' in chunk or '"object":"error"' in chunk:

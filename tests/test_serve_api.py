@@ -37,7 +37,7 @@ from ground.formats import EOT
 from serve.app import compose_app
 from serve.drain import RETRY_AFTER_S, drain, remove_control
 from serve.engine import ExportServer
-from serve.ingress import RayLMIngress
+from serve.ingress import ENGINE_HEALTH_TIMEOUT_S, RayLMIngress
 from serve.model_dir import hf_model_dir, read_export
 
 pytestmark = pytest.mark.ray
@@ -50,6 +50,8 @@ API_KEY = "sk-test-4f1c"
 RAISE_IN_INGRESS = "<test: raise in the ingress>"  # FaultyIngress raises for a request naming this model
 FAIL_IN_ENGINE_SEED = 777_777  # FaultyEngine fails a request with this seed (a stream after its first chunk)
 RELEASED_SEED, HELD_SEED = 101, 202  # streams the drain test lets finish, and the one it never does
+SLOW_SEED = 303  # FaultyEngine sends this stream's events one at a time, SLOW_EVENT_S apart
+SLOW_EVENT_S = 0.5
 DRAIN_TIMEOUT_S = 10.0  # the drain's deadline: far longer than the test's checks between drain start and release
 LOGPROB_TOL = 1e-4  # vLLM and transformers run the same fp32 weights through different kernels
 
@@ -57,10 +59,10 @@ LOGPROB_TOL = 1e-4  # vLLM and transformers run the same fp32 weights through di
 def build_faulty(gate: Path):
     """build_app's application, with both deployments subclassed so that they fail or hold on demand (test-only).
 
-    The engine fails a request with seed FAIL_IN_ENGINE_SEED (before or in the middle of its stream), and holds a
+    The engine fails a request with seed FAIL_IN_ENGINE_SEED (before or in the middle of its stream), holds a
     stream with seed RELEASED_SEED or HELD_SEED after its first event until ``gate`` / ``<seed>`` exists (the drain
-    test's streams in flight). Defined inside the builder: cloudpickle sends local classes by value, and the replicas
-    cannot import this module.
+    test's streams in flight), and slows a stream with seed SLOW_SEED to one event every SLOW_EVENT_S. Defined
+    inside the builder: cloudpickle sends local classes by value, and the replicas cannot import this module.
     """
     import asyncio
 
@@ -77,6 +79,8 @@ def build_faulty(gate: Path):
                 return failing(request, stream)
             if request.seed in (RELEASED_SEED, HELD_SEED):
                 return held(request, stream)
+            if request.seed == SLOW_SEED:
+                return slow(stream)
             return stream
 
     async def failing(request, stream):
@@ -102,6 +106,12 @@ def build_faulty(gate: Path):
             first = False
             if item[1:]:
                 yield item[1:]
+
+    async def slow(stream):
+        async for item in stream:
+            for event in item:
+                yield [event]
+                await asyncio.sleep(SLOW_EVENT_S)
 
     def build(args: dict):
         return compose_app(args, FaultyEngine, FaultyIngress)
@@ -413,6 +423,47 @@ def test_a_near_cap_prompt_does_not_hold_up_a_stream_or_health(base_url: str) ->
     for resp in refusals:
         assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"], resp.text
     assert health_during >= 1 and chunks_during, (len(refusals), health_during, len(chunks_during))
+
+
+def test_health_stays_200_while_every_engine_slot_holds_a_stream(base_url: str, client: openai.OpenAI) -> None:
+    """Every one of the engine replica's max_ongoing_requests slots holds a slow stream, each longer than the
+    ingress's health timeout: the engine's own health check then queues behind them, and only the streams' chunks
+    show it is alive. A busy engine is not a dead one: /health answers 200 throughout (and a new request waits for a
+    slot rather than failing)."""
+    slots = one_replica_args(Path(), Path())["max_ongoing_requests"]
+    tokens = int(4 * ENGINE_HEALTH_TIMEOUT_S / SLOW_EVENT_S)  # each stream outlasts four health timeouts
+    started = [threading.Event() for _ in range(slots)]
+
+    def slow_stream(first_chunk: threading.Event) -> int:
+        stream = client.completions.create(
+            model=MODEL,
+            prompt="The library",
+            max_tokens=tokens,
+            stream=True,
+            seed=SLOW_SEED,
+            extra_body={"ignore_eos": True},
+        )
+        count = 0
+        for _ in stream:
+            first_chunk.set()
+            count += 1
+        return count
+
+    with concurrent.futures.ThreadPoolExecutor(slots) as pool:
+        streams = [pool.submit(slow_stream, event) for event in started]
+        for event in started:
+            assert event.wait(120), "a stream never sent its first chunk"
+        answers, polled_at = [], []
+        while not any(stream.done() for stream in streams):  # every slot still held
+            polled_at.append(time.monotonic())
+            health = requests.get(f"{base_url}/health", timeout=30)
+            answers.append(health.status_code if health.status_code == 200 else (health.status_code, health.text))
+            time.sleep(0.5)
+        counts = [stream.result(timeout=120) for stream in streams]
+    assert answers and all(answer == 200 for answer in answers), answers
+    # The polls spanned more than a health timeout with every slot held: a queued health check would have timed out.
+    assert polled_at[-1] - polled_at[0] > ENGINE_HEALTH_TIMEOUT_S, polled_at
+    assert all(count >= tokens for count in counts), counts
 
 
 # ---- every response counted once --------------------------------------------------------------------------------
