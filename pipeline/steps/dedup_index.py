@@ -112,11 +112,15 @@ class _Graph:
 
 
 class _Owned:
-    """The nodes a shard owns, in key order: their labels (ids while propagating, then the lowest keys)."""
+    """The nodes a shard owns, in key order, with their labels (ids) while the propagation runs. Once each
+    cluster's lowest key is known (``accept``), only the duplicates stay: their keys and the key kept for each."""
 
     def __init__(self, keys: np.ndarray, labels: np.ndarray) -> None:
         self.keys, self.labels = keys, labels
-        self.label_keys = NO_KEYS
+        self.kept = NO_KEYS
+
+
+_COMPARE_CHUNK = 1 << 16  # keys compared at a time in accept: a bounded copy, not one more of every key
 
 
 def components(size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -386,33 +390,43 @@ class BucketIndex:
         labels = np.concatenate([part[0] for part in lowest])
         keys = np.concatenate([part[1] for part in lowest])
         order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
-        labels, keys = labels[order], keys[order]
-        first = _first_of_runs(labels)
-        labels, keys = labels[first], keys[first]
+        chosen = order[_first_of_runs(labels[order])]  # indexed once: keys[order] would copy every key
+        labels, keys = labels[chosen], keys[chosen]
         return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
 
     def accept(self, kind: str, *keys: np.ndarray) -> int:
-        """As owner: each node's label becomes its cluster's lowest key."""
+        """As owner: keep the nodes that are not their cluster's lowest key (the duplicates), each with the key kept
+        in its place, and drop the rest of this kind's propagation state. Returns how many duplicates it owns."""
         owned = self._owned[kind]
         labels = np.unique(owned.labels)  # what lowest_keys sent, grouped as it sent them: by the label's owner
         labels = np.concatenate([labels[labels % len(keys) == j] for j in range(len(keys))])
         lowest = np.concatenate(keys)
         order = np.argsort(labels)
-        owned.label_keys = lowest[order][np.searchsorted(labels[order], owned.labels)]
-        return len(owned.label_keys)
+        kept_at = order[np.searchsorted(labels[order], owned.labels)]  # each node's cluster's lowest key in `lowest`
+        del labels, order
+        owned.labels = np.empty(0, np.int64)
+        for state in (self._graphs, self._view, self._requests, self._asked):  # this kind's propagation is over
+            state.pop(kind, None)
+        duplicate = np.zeros(len(kept_at), bool)
+        for start in range(0, len(kept_at), _COMPARE_CHUNK):
+            end = start + _COMPARE_CHUNK
+            duplicate[start:end] = lowest[kept_at[start:end]] != owned.keys[start:end]
+        owned.keys, owned.kept = owned.keys[duplicate], lowest[kept_at[duplicate]]
+        return len(owned.keys)
 
     # ---- results ----
 
     def decision_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys, stages, kept keys) of every duplicate this shard owns, as UTF-8 byte-string arrays."""
         near, exact = self._owned["near"], self._owned["exact"]
-        # Every exact node is a near node, with the same owner; an exact duplicate is reported as one.
-        exact_dup = exact.label_keys != exact.keys
-        is_near = near.label_keys != near.keys
-        is_near[np.searchsorted(near.keys, exact.keys[exact_dup])] = False
-        keys = np.concatenate([exact.keys[exact_dup], near.keys[is_near]])
-        stages = np.repeat(np.array([EXACT.encode(), MINHASH.encode()]), [exact_dup.sum(), is_near.sum()])
-        return keys, stages, np.concatenate([exact.label_keys[exact_dup], near.label_keys[is_near]])
+        # An exact duplicate is a near one too (the near edges include the exact ones, and a key has one owner):
+        # it is reported once, as exact.
+        at = np.minimum(np.searchsorted(near.keys, exact.keys), max(len(near.keys) - 1, 0))
+        is_near = np.ones(len(near.keys), bool)
+        is_near[at[near.keys[at] == exact.keys] if len(near.keys) else at[:0]] = False
+        keys = np.concatenate([exact.keys, near.keys[is_near]])
+        stages = np.repeat(np.array([EXACT.encode(), MINHASH.encode()]), [len(exact.keys), is_near.sum()])
+        return keys, stages, np.concatenate([exact.kept, near.kept[is_near]])
 
     def decisions(self) -> dict[str, tuple[str, str]]:
         """(stage, kept key) for every duplicate this shard owns."""
