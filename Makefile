@@ -36,10 +36,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the floors (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy  # the packages' types (pyproject.toml, [tool.mypy])
-	# Two workers, a module each at a time (module-scoped fixtures stay whole): most of the suite's wall time is
-	# waiting (a vLLM engine or a node coming up, a node's loss detected), so two modules overlap on two cores.
-	# --durations=25: the slowest 25, where the suite's time goes, in every CI log.
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: where the suite's time goes, in every CI log
 
 # The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
 test-fast: $(STAMP)

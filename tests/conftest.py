@@ -1,6 +1,5 @@
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 # dozens of times. Every Ray the suite starts (in this process, by `ray start`, a job's driver) inherits it from
 # here. Measured: tests/test_train_distributed.py (two launches) 47 s with the default, 33 s with 0.2 s.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-
-# `make test` runs the modules on two pytest-xdist workers, each starting its own Rays. ray.init() without an address
-# joins the Ray recorded in <RAY_TMPDIR>/ray/ray_current_cluster (a `ray start` or a test cluster's head): under one
-# shared temp dir a worker's local ray.init() would join the other worker's cluster. Each worker (and every Ray,
-# job and subprocess it starts, which inherit this) gets a temp dir of its own.
-if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix=f"ray-{worker}-"))
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
 # without importing them by name into each one.
