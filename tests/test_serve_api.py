@@ -10,11 +10,12 @@ fail before or in the middle of a stream, or hold a stream after its first event
 Covered here: /health and /v1/models with the lineage; the SDK's completions, streaming, chat and chat streaming,
 n > 1, lists of prompts, token-id prompts, logprobs and echo; prompt and generated logprobs equal to ``transformers``
 on the same export within 1e-4; the chat template; the request caps (413, 400) checked before any work; a near-cap
-prompt that must not hold up a running stream or /health; API keys; every response counted once in
-``raylm_server_requests_total``; bad inputs that all get OpenAI error bodies while the replicas survive; and, last
-(it stops the app), draining (serve/drain.py): three streams are open when ``drain()`` starts, two the test then lets
-finish, one it never does, which the deadline must cut. ``python -m serve`` itself draining on SIGTERM (the signal,
-the exit code, no processes left) is tested in test_cluster_run.py's rerun, as `make demo` runs it.
+prompt that must not hold up a running stream or /health; /health at 200 while slow streams hold every engine slot;
+API keys; every response counted once in ``raylm_server_requests_total``; bad inputs that all get OpenAI error
+bodies while the replicas survive; and, last (it stops the app), draining (serve/drain.py): three streams are open
+when ``drain()`` starts, two the test then lets finish, one it never does, which the deadline must cut.
+``python -m serve`` itself draining on SIGTERM (the signal, the exit code, no processes left) is tested in
+test_cluster_run.py's rerun, as `make demo` runs it.
 """
 
 from __future__ import annotations
