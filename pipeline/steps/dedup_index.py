@@ -16,6 +16,8 @@ min-label propagation:
    every node's label is the lowest id of its component.
 3. Ids are not in key order, and the kept document is the lowest *key*: each owner sends, for each label, the
    lowest key among its nodes with that label to the label's owner, which answers with the lowest of them all.
+   An owner then keeps only its duplicates (the nodes whose key is not their cluster's lowest), each with the key
+   kept in its place, and drops that kind's ids, labels and edges.
 
 The coordinator (:func:`resolve_clusters`) only passes references between shards and sums counts.
 """
