@@ -221,7 +221,8 @@ class RayLMIngress(OpenAiIngress):
     def _counted(self, response: Response, outcome: Outcome, arrival: float, trace: RequestTrace | None) -> Response:
         """Record how the request ended (for the accounting's count, and its trace) and its latency, as the client
         sees them."""
-        self._engine_answered()
+        if response.status_code < 500:  # a 5xx may be the ingress's own answer to an engine that failed
+            self._engine_answered()
         if isinstance(response, StreamingResponse):
             if trace:
                 trace.first_output()  # the ingress returns a stream once its first chunk is in
@@ -247,11 +248,12 @@ class RayLMIngress(OpenAiIngress):
         cut = False
         try:
             async for chunk in self.drain.chunks_until_cut(chunks):
-                self._engine_answered()
                 if '"finish_reason":"length"' in chunk:
                     outcome.finish_reason = "length"
                 if 'data: {"error"' in chunk or '"object":"error"' in chunk:
                     outcome.status, outcome.finish_reason = 500, "error"
+                else:
+                    self._engine_answered()
                 if trace:
                     trace.record_chunk(chunk)
                 yield chunk
