@@ -429,8 +429,8 @@ def test_a_near_cap_prompt_does_not_hold_up_a_stream_or_health(base_url: str) ->
 def test_health_stays_200_while_every_engine_slot_holds_a_stream(base_url: str, client: openai.OpenAI) -> None:
     """Every one of the engine replica's max_ongoing_requests slots holds a slow stream, each longer than the
     ingress's health timeout: the engine's own health check then queues behind them, and only the streams' chunks
-    show it is alive. A busy engine is not a dead one: /health answers 200 throughout (and a new request waits for a
-    slot rather than failing)."""
+    show it is alive. A busy engine is not a dead one: /health answers 200 throughout, and every stream still runs to
+    its last token."""
     slots = one_replica_args(Path(), Path())["max_ongoing_requests"]
     tokens = int(4 * ENGINE_HEALTH_TIMEOUT_S / SLOW_EVENT_S)  # each stream outlasts four health timeouts
     started = [threading.Event() for _ in range(slots)]
