@@ -3,6 +3,7 @@
     .venv/bin/python bench/debian_warc.py --out bench/.cache/debian-warc-200mb --mb 200
     .venv/bin/python bench/debian_warc.py --out /tmp/w --mb 8 --files 4
     .venv/bin/python bench/debian_warc.py --out /tmp/w --mb 1 --html-dir some/site   # local HTML, no apt
+    .venv/bin/python bench/debian_warc.py --wet --out bench/.cache/debian-wet-200mb --mb 200
 
 The packages are fetched with ``apt-get download`` (no install, no root needed for the download itself) into
 ``--deb-cache`` (default ``bench/.cache/debs``), unpacked with ``dpkg-deb -x`` into a temp dir, and every
@@ -14,6 +15,13 @@ Packages are taken in the listed order (a mix of languages first, so small sets 
 sorted path order, until the output reaches ``--mb`` megabytes (10^6 bytes, compressed, on disk). Each record
 goes to whichever of the ``--files`` output files is smallest so far, so the files end up within one record of
 equal size and each holds a similar mix of packages.
+
+With ``--wet`` the output is WET instead, as Common Crawl derives it from its WARCs: each page's text, taken with
+the pipeline's own extractor (``pipeline.steps.extract.html_to_text``, resiliparse main content, the default for
+WARC input), becomes one ``conversion`` record (``Content-Type: text/plain``, ``WARC-Refers-To`` the response
+record it stands for), gzip-compressed per record, in ``*.warc.wet.gz`` files; pages with no text are left out
+and counted in the sidecar (``empty_text``). ``--mb`` then counts megabytes of .warc.wet.gz. Like Common Crawl's
+WET, the records carry no ``WARC-Identified-Payload-Type``.
 
 Deterministic: the same .deb files and arguments give the same bytes. Record ids are uuid5 of the pseudo URL
 ``https://<package>.debian-doc.invalid/<path in package>``, WARC-Date is a fixed date, gzip headers carry no
@@ -43,6 +51,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ground.hashing import sha256_file
+from pipeline.steps.extract import html_to_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / "bench" / ".cache" / "debs"
@@ -269,6 +278,29 @@ def record_bytes(url: str, html: bytes) -> bytes:
     return buf.getvalue()
 
 
+def conversion_bytes(url: str, text: str) -> bytes:
+    """One gzip member holding one WET conversion record: the page's text (deterministic)."""
+    from warcio.warcwriter import WARCWriter
+
+    body = text.encode("utf-8")
+    buf = io.BytesIO()
+    writer = WARCWriter(buf, gzip=True)
+    record = writer.create_warc_record(
+        url,
+        "conversion",
+        payload=io.BytesIO(body),
+        length=len(body),
+        warc_content_type="text/plain",
+        warc_headers_dict={
+            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'wet:' + url)}>",
+            "WARC-Refers-To": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
+            "WARC-Date": WARC_DATE,
+        },
+    )
+    writer.write_record(record)
+    return buf.getvalue()
+
+
 def warcinfo_bytes(filename: str, info: dict[str, str]) -> bytes:
     from warcio.warcwriter import WARCWriter
 
@@ -320,15 +352,24 @@ def _documents(sources: list[tuple[str, object]], scratch: Path, used: list[dict
 
 
 def build(
-    out: Path, mb: float, n_files: int, packages: list[str], html_dirs: list[Path], deb_cache: Path, force: bool = False
+    out: Path,
+    mb: float,
+    n_files: int,
+    packages: list[str],
+    html_dirs: list[Path],
+    deb_cache: Path,
+    force: bool = False,
+    wet: bool = False,
 ) -> dict:
-    """Write (or reuse) the WARC set; returns the sidecar dict."""
+    """Write (or reuse) the WARC set, or with ``wet`` the WET set; returns the sidecar dict."""
     params = {
         "format": FORMAT_VERSION,
         "mb": mb,
         "files": n_files,
         "sources": [f"html-dir:{d.resolve()}" for d in html_dirs] if html_dirs else list(packages),
     }
+    if wet:  # only when set, so that WARC sets built before --wet existed are still reused
+        params["wet"] = True
     existing = out / SIDECAR
     if existing.is_file() and not force:
         meta = json.loads(existing.read_text())
@@ -353,15 +394,20 @@ def build(
         sources = [(p, DebSource(p, deb_cache)) for p in packages]
 
     target = int(mb * 1e6)
-    names = [f"debian-docs-{i:05d}.warc.gz" for i in range(n_files)]
+    suffix = ".warc.wet.gz" if wet else ".warc.gz"
+    names = [f"debian-docs-{i:05d}{suffix}" for i in range(n_files)]
     make_cache_dir(out.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     used: list[dict] = []
     info = {
         "software": "raylm bench/debian_warc.py",
         "format": "WARC File Format 1.0",
-        "description": "HTML of Debian documentation packages as WARC response records (benchmark input)",
-        "isPartOf": f"debian-docs-{mb:g}mb",
+        "description": (
+            "text of Debian documentation pages as WET conversion records (benchmark input)"
+            if wet
+            else "HTML of Debian documentation packages as WARC response records (benchmark input)"
+        ),
+        "isPartOf": f"debian-docs-{'wet-' if wet else ''}{mb:g}mb",
     }
     try:
         handles = [open(staging / n, "wb") for n in names]  # noqa: SIM115 (closed below; N files at once)
@@ -374,9 +420,17 @@ def build(
             digests[i].update(data)
             sizes[i] += len(data)
         total = sum(sizes)
+        empty_text = 0
         with tempfile.TemporaryDirectory(prefix="debian-warc-") as scratch:
             for url, html in _documents(sources, Path(scratch), used):
-                data = record_bytes(url, html)
+                if wet:
+                    text = html_to_text(html, main_content=True)
+                    if not text.strip():
+                        empty_text += 1
+                        continue
+                    data = conversion_bytes(url, text)
+                else:
+                    data = record_bytes(url, html)
                 i = min(range(n_files), key=lambda k: (sizes[k], k))
                 handles[i].write(data)
                 digests[i].update(data)
@@ -401,6 +455,7 @@ def build(
             "params": params,
             "total_bytes": total,
             "records": sum(records),
+            **({"empty_text": empty_text} if wet else {}),
             "warc_date": WARC_DATE,
             "sources": used,
             "files": [
@@ -426,7 +481,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory (created; reused if complete)")
-    parser.add_argument("--mb", type=float, default=200.0, help="total size to write, in MB of .warc.gz (default 200)")
+    parser.add_argument(
+        "--mb",
+        type=float,
+        default=200.0,
+        help="total size to write, in MB of .warc.gz (of .warc.wet.gz with --wet; default 200)",
+    )
+    parser.add_argument(
+        "--wet",
+        action="store_true",
+        help="write WET (each page's extracted text as a conversion record) instead of WARC responses",
+    )
     parser.add_argument(
         "--files",
         type=int,
@@ -460,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--mb must be positive")
     n_files = args.files or max(2, round(args.mb / 6))
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
-    meta = build(args.out, args.mb, n_files, packages, args.html_dir, args.deb_cache, args.force)
+    meta = build(args.out, args.mb, n_files, packages, args.html_dir, args.deb_cache, args.force, args.wet)
     print(
         json.dumps(
             {

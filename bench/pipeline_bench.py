@@ -3,6 +3,7 @@ driver's peak memory at 1x and 8x input, and MinHash-LSH precision/recall on pla
 
     .venv/bin/python bench/pipeline_bench.py            # 200 MB of Debian-docs WARC, 3 rounds (long on 2 cores)
     .venv/bin/python bench/pipeline_bench.py --quick    # 24 MB, 2 rounds, RSS at 2/16 MB, 150 planted docs
+    .venv/bin/python bench/pipeline_bench.py --wet      # the same pages' text as 200 MB of WET (conversion records)
     .venv/bin/python bench/pipeline_bench.py --smoke    # data/sample, 1 round, every section once (~70 s, no apt)
 
 Everything printed is measured in this run; the report is one markdown document on stdout (progress and library
@@ -347,6 +348,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mb", type=float, help="size of the Debian-docs WARC input in MB (default 200)")
     parser.add_argument("--files", type=int, help="files in the Debian-docs WARC input (default: one per ~6 MB)")
     parser.add_argument(
+        "--wet",
+        action="store_true",
+        help="the Debian-docs input as WET (each page's extracted text, --mb MB of .warc.wet.gz) instead of WARC",
+    )
+    parser.add_argument(
         "--warc-dir", type=Path, help="use this directory of WARC/WET files as the input instead of the Debian set"
     )
     parser.add_argument("--with-sample", action="store_true", help="add data/sample (6 files, 0.65 MB) to the input")
@@ -419,7 +425,7 @@ def build_input(args, work: Path) -> tuple[Path, list[Path], str]:
     elif args.smoke:
         src_files, desc = warc_files(SAMPLE_DIR), "data/sample (WET + WARC; --smoke)"
     else:
-        src_dir, meta = debian_set(args.mb, args.files, args.deb_cache)
+        src_dir, meta = debian_set(args.mb, args.files, args.deb_cache, wet=args.wet)
         src_files, desc = warc_files(src_dir), describe_debian(meta)
     files = link_files(src_files, work / "input")
     if args.with_sample and not (args.smoke and not args.warc_dir):
@@ -440,7 +446,7 @@ def rss_inputs(args, work: Path, tp_dir: Path, tp_files: list[Path]) -> tuple[di
         }
         return small, big, "--smoke: the 1x run is the throughput run (no run of its own)."
     n_small = 4
-    src_dir, _ = debian_set(args.rss_mb * k, n_small * k, args.deb_cache)
+    src_dir, _ = debian_set(args.rss_mb * k, n_small * k, args.deb_cache, wet=args.wet)
     all_files = warc_files(src_dir)
     small_files = link_files(all_files[:n_small], work / "rss-1x")
     small = {

@@ -80,17 +80,20 @@ def link_files(files: list[Path], dest: Path, prefix: str = "") -> list[Path]:
     return out
 
 
-def debian_set(mb_total: float, n_files: int | None, deb_cache: Path) -> tuple[Path, dict]:
-    """The Debian-docs WARC set of this size (built once by bench/debian_warc.py, then reused from the cache)."""
+def debian_set(mb_total: float, n_files: int | None, deb_cache: Path, wet: bool = False) -> tuple[Path, dict]:
+    """The Debian-docs WARC set of this size, or with ``wet`` its WET (each page's text as a conversion record);
+    built once by bench/debian_warc.py, then reused from the cache."""
     import debian_warc
 
     n = n_files or max(2, round(mb_total / 6))
-    out = CACHE / f"debian-warc-{mb_total:g}mb-{n}f"
-    meta = debian_warc.build(out, mb_total, n, list(debian_warc.DEFAULT_PACKAGES), [], deb_cache)
+    out = CACHE / f"debian-{'wet' if wet else 'warc'}-{mb_total:g}mb-{n}f"
+    meta = debian_warc.build(out, mb_total, n, list(debian_warc.DEFAULT_PACKAGES), [], deb_cache, wet=wet)
     return out, meta
 
 
 def describe_debian(meta: dict) -> str:
     packages = [s["package"] for s in meta["sources"] if "package" in s]
     head = ", ".join(packages[:6]) + (f", ... ({len(packages)} packages)" if len(packages) > 6 else "")
+    if meta["params"].get("wet"):
+        return f"Debian documentation pages' text as WET conversion records ({head}; bench/debian_warc.py --wet)"
     return f"Debian documentation HTML as WARC responses ({head}; bench/debian_warc.py)"

@@ -130,6 +130,53 @@ def test_debian_warc_from_local_html_is_deterministic_and_readable(tmp_path, htm
     assert 0 < small_meta["records"] < 21 and small_meta["total_bytes"] >= 20_000
 
 
+def test_debian_warc_wet_holds_each_pages_text_as_a_conversion_record(tmp_path, html_tree, ccnet_texts):
+    """--wet writes what Common Crawl's WET holds: one text/plain conversion record per page, referring to the
+    WARC set's response record of that page; the pipeline reads every one as a kept document."""
+    from pipeline.steps.base import is_dropped
+    from pipeline.steps.extract import read_wet
+
+    common = ["--mb", "5", "--files", "2", "--html-dir", str(html_tree)]
+    warc, wet = tmp_path / "warc", tmp_path / "wet"
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(warc), *common)
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(wet), *common, "--wet")
+    files = sorted(wet.glob("*.warc.wet.gz"))
+    assert [f.name for f in files] == ["debian-docs-00000.warc.wet.gz", "debian-docs-00001.warc.wet.gz"]
+    assert not list(wet.glob("*[0-9].warc.gz"))
+    meta = json.loads((wet / "debian-warc.json").read_text())
+    assert meta["params"]["wet"] is True
+
+    response_ids = {
+        r[1].get_header("WARC-Target-URI"): r[1].get_header("WARC-Record-ID")
+        for f in sorted(warc.glob("*.warc.gz"))
+        for r in read_warc(f)
+        if r[0] == "response"
+    }
+    conversions = [r for f in files for r in read_warc(f) if r[0] == "conversion"]
+    assert len(conversions) == meta["records"] == 21  # 20 pages and the gzipped one all have text
+    assert meta["empty_text"] == 0
+    for _, warc_headers, _, body in conversions:
+        assert warc_headers.get_header("Content-Type") == "text/plain"
+        assert warc_headers.get_header("WARC-Identified-Payload-Type") is None  # as in Common Crawl's WET
+        url = warc_headers.get_header("WARC-Target-URI")
+        assert warc_headers.get_header("WARC-Refers-To") == response_ids[url]
+        assert b"<p>" not in body and b"<html" not in body
+    texts = [r[3].decode("utf-8") for r in conversions]
+    # Each source page's paragraphs are in some record's text (the pages are whole texts of the cc_net set).
+    for source in ccnet_texts[:20]:
+        first = next(line.strip() for line in source.split("\n") if line.strip())
+        assert any(first in text for text in texts), first[:80]
+    assert any("Compressed page." in text for text in texts)
+
+    docs = [doc for f in files for doc in read_wet(f)]
+    kept = [doc for doc in docs if not is_dropped(doc)]
+    assert sorted(doc["text"] for doc in kept) == sorted(texts)
+
+    before = [sha256(f) for f in files]
+    run_script(str(BENCH / "debian_warc.py"), "--out", str(wet), *common, "--wet", "--force")
+    assert [sha256(f) for f in sorted(wet.glob("*.warc.wet.gz"))] == before
+
+
 @pytest.mark.ray
 def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
     """One --smoke invocation runs every section once: floor, ours, datatrove, driver RSS at
