@@ -280,10 +280,28 @@ def pseudo_url(package: str, rel: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def record_bytes(url: str, html: bytes) -> bytes:
-    """One gzip member holding one WARC response record (deterministic)."""
-    from warcio.statusandheaders import StatusAndHeaders
+def _gzip_member(url: str, rec_type: str, body: bytes, warc_headers: dict[str, str], **record_args) -> bytes:
+    """One gzip member holding one WARC record of ``rec_type``, its headers in the given order (deterministic:
+    warcio's gzip carries no mtime)."""
     from warcio.warcwriter import WARCWriter
+
+    buf = io.BytesIO()
+    writer = WARCWriter(buf, gzip=True)
+    record = writer.create_warc_record(
+        url,
+        rec_type,
+        payload=io.BytesIO(body),
+        length=len(body),
+        warc_headers_dict=warc_headers,
+        **record_args,
+    )
+    writer.write_record(record)
+    return buf.getvalue()
+
+
+def record_bytes(url: str, html: bytes) -> bytes:
+    """One gzip member holding one WARC response record."""
+    from warcio.statusandheaders import StatusAndHeaders
 
     try:
         html.decode("utf-8")
@@ -295,67 +313,32 @@ def record_bytes(url: str, html: bytes) -> bytes:
     )
     # Common Crawl's WARCs carry the sniffed payload type; readers such as datatrove's WarcReader select on it.
     payload_type = "application/xhtml+xml" if html.lstrip()[:5] == b"<?xml" else "text/html"
-    buf = io.BytesIO()
-    writer = WARCWriter(buf, gzip=True)
-    record = writer.create_warc_record(
-        url,
-        "response",
-        payload=io.BytesIO(html),
-        length=len(html),
-        http_headers=http_headers,
-        warc_headers_dict={
-            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
-            "WARC-Date": WARC_DATE,
-            "WARC-Identified-Payload-Type": payload_type,
-        },
-    )
-    writer.write_record(record)
-    return buf.getvalue()
+    headers = {
+        "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
+        "WARC-Date": WARC_DATE,
+        "WARC-Identified-Payload-Type": payload_type,
+    }
+    return _gzip_member(url, "response", html, headers, http_headers=http_headers)
 
 
 def conversion_bytes(url: str, text: str) -> bytes:
-    """One gzip member holding one WET conversion record: the page's text (deterministic)."""
-    from warcio.warcwriter import WARCWriter
-
-    body = text.encode("utf-8")
-    buf = io.BytesIO()
-    writer = WARCWriter(buf, gzip=True)
-    record = writer.create_warc_record(
-        url,
-        "conversion",
-        payload=io.BytesIO(body),
-        length=len(body),
-        warc_content_type="text/plain",
-        warc_headers_dict={
-            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'wet:' + url)}>",
-            "WARC-Refers-To": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
-            "WARC-Date": WARC_DATE,
-        },
-    )
-    writer.write_record(record)
-    return buf.getvalue()
+    """One gzip member holding one WET conversion record: the page's text."""
+    headers = {
+        "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'wet:' + url)}>",
+        "WARC-Refers-To": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, url)}>",
+        "WARC-Date": WARC_DATE,
+    }
+    return _gzip_member(url, "conversion", text.encode("utf-8"), headers, warc_content_type="text/plain")
 
 
 def warcinfo_bytes(filename: str, info: dict[str, str]) -> bytes:
-    from warcio.warcwriter import WARCWriter
-
     body = "".join(f"{k}: {v}\r\n" for k, v in info.items()).encode("utf-8")
-    buf = io.BytesIO()
-    writer = WARCWriter(buf, gzip=True)
-    record = writer.create_warc_record(
-        "",
-        "warcinfo",
-        payload=io.BytesIO(body),
-        length=len(body),
-        warc_content_type="application/warc-fields",
-        warc_headers_dict={
-            "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'warcinfo:' + filename)}>",
-            "WARC-Date": WARC_DATE,
-            "WARC-Filename": filename,
-        },
-    )
-    writer.write_record(record)
-    return buf.getvalue()
+    headers = {
+        "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(ID_NAMESPACE, 'warcinfo:' + filename)}>",
+        "WARC-Date": WARC_DATE,
+        "WARC-Filename": filename,
+    }
+    return _gzip_member("", "warcinfo", body, headers, warc_content_type="application/warc-fields")
 
 
 def _documents(sources: list[tuple[str, object]], scratch: Path, used: list[dict]) -> Iterator[tuple[str, bytes]]:
