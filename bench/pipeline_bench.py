@@ -345,7 +345,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every section once on a tiny input: data/sample or --warc-dir (no apt, no download), "
         "1 round, RSS at that input x1 (the throughput run) vs x2, 60 planted docs",
     )
-    parser.add_argument("--mb", type=float, help="size of the Debian-docs WARC input in MB (default 200)")
+    parser.add_argument(
+        "--mb",
+        type=float,
+        help="size of the Debian-docs input in MB of .warc.gz (.warc.wet.gz with --wet; default 200)",
+    )
     parser.add_argument("--files", type=int, help="files in the Debian-docs WARC input (default: one per ~6 MB)")
     parser.add_argument(
         "--wet",
@@ -413,6 +417,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rss_mb = args.rss_mb if args.rss_mb is not None else 8.0
     if args.workers < 1 or args.rounds < 1:
         parser.error("--workers and --rounds must be >= 1")
+    if args.wet and (args.warc_dir or args.smoke):
+        # --wet picks the Debian set's format; --warc-dir files and --smoke's data/sample are read as they are.
+        parser.error(
+            f"--wet builds the Debian set as WET; it does not apply with {'--warc-dir' if args.warc_dir else '--smoke'}"
+        )
     return args
 
 

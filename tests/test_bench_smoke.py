@@ -386,3 +386,14 @@ def test_train_bench_refuses_a_nanogpt_dir_that_is_not_a_checkout(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert f"--nanogpt {tmp_path}: not a nanoGPT checkout (no model.py, configurator.py)" in proc.stderr
+
+
+@pytest.mark.parametrize("other", [["--smoke"], ["--warc-dir", "data/sample"]])
+def test_pipeline_bench_refuses_wet_where_it_would_be_ignored(other):
+    # --wet picks the format of the Debian set the bench builds; --smoke and --warc-dir read their files as they are.
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "pipeline_bench.py"), "--wet", *other],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert f"--wet builds the Debian set as WET; it does not apply with {other[0]}" in proc.stderr
