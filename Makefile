@@ -36,10 +36,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the floors (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy  # the packages' types (pyproject.toml, [tool.mypy])
-	# Two pytest-xdist workers, a module at a time each (module-scoped fixtures stay whole), the tests that start a
-	# vLLM engine one at a time on one of them (tests/conftest.py). --durations=25: the slowest 25, where the suite's
-	# time goes, in every CI log.
-	$(BIN)/python -m pytest -q -n 2 --durations=25
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: where the suite's time goes, in every CI log
 
 # The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
 test-fast: $(STAMP)
