@@ -4,12 +4,16 @@ Serve adds the second once the load asks for it; no request fails while it does.
 
 The autoscaling block is the default's, with a target of 1 request per replica and short windows, so that a few
 concurrent streams are enough load and the test waits seconds rather than the default's minutes. Each client
-sends streamed completions one after another, each bounded; the load stops once Serve reports two RUNNING engine
-replicas and each client has had one more request answered by the scaled deployment.
+sends streamed completions one after another, each bounded. Once Serve has added the second replica, the clients
+take turns until it runs: one request in flight at a time, 2 s apart. Requests keep flowing through the start, and
+the new engine's start (three processes importing vLLM) is not left to compete with six streams for the 2 cores,
+which made it take minutes. The load stops once Serve reports two RUNNING engine replicas and each client has had
+one more request answered by the scaled deployment, all of them at once again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -24,6 +28,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:The `metrics_i
 
 CLIENTS = 6
 MAX_TOKENS = 200
+TURN_GAP_S = 2.0
 SCALE_UP_TIMEOUT_S = 240  # a second vLLM engine's start on a busy 2-core machine included
 
 
@@ -65,6 +70,9 @@ def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request
         # deprecated in favour of environment variables that Ray 2.60 does not read yet): a report every 0.5 s.
         "metrics_interval_s": 0.5,
         "look_back_period_s": 2,
+        # One request at a time while the second replica starts is below the target for two: without a long
+        # downscale delay, Serve would stop the replica it is starting once the default's 120 s had passed.
+        "downscale_delay_s": 600,
     }
     args = {
         "model": str(long_context_export),
@@ -77,7 +85,8 @@ def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request
     with running_app(fast_start(args)) as base:
         assert engine_replicas(engine) == {"RUNNING": 1}  # the default's min_replicas: one engine at rest
 
-        scaled = threading.Event()
+        added, scaled = threading.Event(), threading.Event()
+        turns = threading.Semaphore(1)  # between added and scaled: one request in flight at a time
         results: list[tuple[int, int, bool]] = []
         lock = threading.Lock()
 
@@ -85,7 +94,11 @@ def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request
             rounds_after_scaling = 0
             while rounds_after_scaling < 1:  # stop after one request sent once two replicas were serving
                 was_scaled = scaled.is_set()
-                outcome = stream_one(base, f"Client {i} asks about the weather, round {len(results)}.")
+                taking_turns = added.is_set() and not was_scaled
+                with turns if taking_turns else contextlib.nullcontext():
+                    outcome = stream_one(base, f"Client {i} asks about the weather, round {len(results)}.")
+                    if taking_turns:
+                        scaled.wait(TURN_GAP_S)  # the engine idles between turns; the new one's start takes that
                 with lock:
                     results.append(outcome)
                 if was_scaled:
@@ -95,8 +108,11 @@ def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request
         for t in threads:
             t.start()
         try:
+            wait_for(lambda: sum(engine_replicas(engine).values()) == 2, SCALE_UP_TIMEOUT_S, "Serve to add a replica")
+            added.set()
             wait_for(lambda: engine_replicas(engine) == {"RUNNING": 2}, SCALE_UP_TIMEOUT_S, "a second engine replica")
         finally:
+            added.set()
             scaled.set()
             for t in threads:
                 t.join(timeout=180)
