@@ -36,7 +36,9 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports  # the floors (pyproject.toml, [tool.importlinter])
 	$(BIN)/mypy  # the packages' types (pyproject.toml, [tool.mypy])
-	$(BIN)/python -m pytest -q --durations=25  # the slowest 25: where the suite's time goes, in every CI log
+	# Where the suite's time goes, in every CI log: the slowest 25 tests, then every module's time
+	# (tests/module_durations.py).
+	$(BIN)/python -m pytest -q --durations=25
 
 # The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
 test-fast: $(STAMP)

@@ -29,7 +29,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
 # without importing them by name into each one.
-pytest_plugins = ["train_fixtures", "serve_fixtures", "no_missing_module_skips", "pytester"]
+pytest_plugins = ["train_fixtures", "serve_fixtures", "no_missing_module_skips", "module_durations", "pytester"]
 
 
 @pytest.fixture(scope="session")
