@@ -209,6 +209,24 @@ def quiet_triton_notes_without_a_gpu() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    try:
+        built = app_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from serve.api_key_file import ApiKeyError, read_keys
+    from serve.model_dir import ModelDirError, check_cpu_attention, read_export
+
+    # Bad input fails here, with a clear message, rather than in a replica's log; and before vLLM is imported (with
+    # serve.app below), which takes 20 s or more on a small CPU node: a typo in --model is refused at once.
+    try:
+        export = read_export(args.model)
+        if not args.replica_gpus:
+            check_cpu_attention(export)
+        api_key = read_keys(args.api_key_file)[0] if args.api_key_file else None
+    except (ModelDirError, ApiKeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     quiet_triton_notes_without_a_gpu()
     with root_logging_kept():  # ray.serve.llm, imported here once, replaces the root logger's handlers
         importlib.import_module("serve.app")
@@ -218,25 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     # printed once the app runs says where it is. Their warnings (a replica slow to start, say) still show.
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     logging.getLogger("ray.serve.ray.llm").setLevel(logging.WARNING)
-    try:
-        built = app_args(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     import ray
     from ray import serve
 
-    from serve.api_keys import ApiKeyError, read_keys
-    from serve.model_dir import ModelDirError, check_cpu_attention, read_export
-
-    try:  # fail here, with a clear message, rather than in a replica's log
-        export = read_export(args.model)
-        if not args.replica_gpus:
-            check_cpu_attention(export)
-        api_key = read_keys(args.api_key_file)[0] if args.api_key_file else None
-    except (ModelDirError, ApiKeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     started_ray = not ray.is_initialized()  # python -m cluster.run serves on the Ray it already started
     if started_ray:
         ray.init(address=args.address)

@@ -1,10 +1,10 @@
 """API keys: requests to ``/v1/*`` carry ``Authorization: Bearer KEY`` with a key from the operator's file, or get 401.
 
 The file (``--api-key-file``, or ``api_key_file`` in serve_config.yaml) holds one key per line; blank lines and lines
-starting with ``#`` are skipped. It is read on the driver, and only the keys' sha256 digests go to the replicas, so
-no key appears in the Serve config, the deployment's arguments or the dashboard. A presented key is hashed and
-compared with each digest in constant time (``hmac.compare_digest``). ``/health`` stays open for load balancers,
-and ``/v1/canary`` too: it reports a score, never a completion.
+starting with ``#`` are skipped. It is read on the driver (serve/api_key_file.py), and only the keys' sha256 digests
+go to the replicas, so no key appears in the Serve config, the deployment's arguments or the dashboard. A presented
+key is hashed and compared with each digest in constant time (``hmac.compare_digest``). ``/health`` stays open for
+load balancers, and ``/v1/canary`` too: it reports a score, never a completion.
 
 The check is plain ASGI middleware (OpenAI's 401 body, counted by ``serve.accounting``) rather than a FastAPI
 dependency, so it runs before the request body is read or parsed: an unauthenticated client costs no parsing.
@@ -12,44 +12,16 @@ dependency, so it runs before the request body is read or parsed: an unauthentic
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-from pathlib import Path
 from typing import Any, cast
 
 from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.accounting import APIError, error_response
+from serve.api_key_file import key_digest
 
 OPEN_PATHS = frozenset({"/health", "/v1/canary"})
-
-
-class ApiKeyError(ValueError):
-    pass
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def read_key_digests(path: str | Path) -> tuple[str, ...]:
-    """The sha256 of each key in the file; ``ApiKeyError`` naming the file when it cannot be read or holds none."""
-    return tuple(sorted({key_digest(k) for k in read_keys(path)}))
-
-
-def read_keys(path: str | Path) -> list[str]:
-    """The keys in the file, in order; ``ApiKeyError`` naming the file when it cannot be read or holds none."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ApiKeyError(f"cannot read the API key file {path}: {exc.strerror}") from exc
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise ApiKeyError(f"the API key file {path} holds no key (one per line)")
-    if any(any(c.isspace() for c in key) for key in keys):
-        raise ApiKeyError(f"the API key file {path} has a line with spaces inside a key: one key per line")
-    return keys
 
 
 def _bearer(scope: Scope) -> str | None:

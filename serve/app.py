@@ -18,7 +18,7 @@ from ray.serve import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
-from serve.api_keys import key_digest, read_key_digests
+from serve.api_key_file import key_digest, read_key_digests
 from serve.config import DEFAULT_AUTOSCALING, DEFAULT_MAX_ONGOING_REQUESTS, AppArgs, chat_template_jinja
 from serve.engine import ExportServer, ModelDirOnTheNode
 from serve.ingress import ENDPOINTS, RayLMIngress, api

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ray import serve
 
 from ground.scrape_targets import DEFAULT_SD_DIR, ScrapeEndpoint, safe_name
-from serve.api_keys import ApiKeyError, read_keys
+from serve.api_key_file import ApiKeyError, read_keys
 from serve.config import DEFAULT_CANARY_INTERVAL_S
 from serve.evalset import EvalSet, EvalSetError, build_evalset, load_evalset
 

@@ -107,7 +107,7 @@ def test_the_chat_template_renders_the_message_template_for_vllm() -> None:
 
 
 def test_api_key_files_are_read_as_digests_and_bad_ones_refused(tmp_path: Path) -> None:
-    from serve.api_keys import ApiKeyError, key_digest, read_key_digests
+    from serve.api_key_file import ApiKeyError, key_digest, read_key_digests
 
     keys = tmp_path / "keys.txt"
     keys.write_text("# ops\nsk-one\n\n  sk-two  \n")
@@ -119,13 +119,30 @@ def test_api_key_files_are_read_as_digests_and_bad_ones_refused(tmp_path: Path) 
         read_key_digests(tmp_path / "missing.txt")
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "serve", "--model", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert out.returncode == 2 and "not an export dir" in out.stderr
+    # Refused before vLLM is imported (seconds rather than tens of them): nothing else on stderr, not even the notes
+    # vLLM's import logs on a node without a GPU.
+    refusal = f"error: {tmp_path} is not an export dir (python -m train.export): missing lineage.json, which the"
+    assert out.stderr.strip().splitlines() == [f"{refusal} export writes last"], out.stderr
     helped = subprocess.run([sys.executable, "-m", "serve.canary", "--help"], capture_output=True, text=True, cwd=REPO)
     assert helped.returncode == 0 and "--evalset" in helped.stdout
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_api_key_file_it_cannot_read_naming_it(
+    tiny_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from serve.__main__ import main
+
+    missing = tmp_path / "keys.txt"
+    assert main(["--model", str(tiny_export), "--api-key-file", str(missing)]) == 2  # before Ray or an engine starts
+    err = capsys.readouterr().err
+    assert "cannot read the API key file" in err and str(missing) in err, err
 
 
 def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
