@@ -40,13 +40,14 @@ test: $(STAMP)
 	# (tests/module_durations.py).
 	$(BIN)/python -m pytest -q --durations=25
 
-# The inner loop: lint, then every test that starts no Ray cluster (-m "not ray"), stopping at the first failure.
+# The inner loop: lint, then every test that starts no Ray cluster and is not marked slow (5 s or more: a subprocess, a
+# bench smoke, torch.compile), stopping at the first failure.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -x -m "not ray"
+	$(BIN)/python -m pytest -q -x -m "not ray and not slow"
 
 # Lint only: ruff's rules and its formatter (a `# fmt: skip` keeps a rule table one row per line), the floors, and
 # the type checker.

@@ -75,6 +75,7 @@ def test_install_script_is_idempotent_when_binaries_exist() -> None:
     assert result.returncode == 0 and "already installed" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_firing_alerts_reach_the_webhook_and_inhibited_ones_do_not(tmp_path: Path) -> None:
     rule_file = tmp_path / "e2e_rules.yml"
     _write_rules(rule_file, FIRING[:3])

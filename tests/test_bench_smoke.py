@@ -271,6 +271,7 @@ def test_serve_bench_smoke(tmp_path):
     assert len({r["levels"][0]["prompt_tokens"] for r in round_["sides"].values()}) == 1
 
 
+@pytest.mark.slow
 def test_checkpoint_bench_smoke(tmp_path):
     # --smoke: 1 repeat of the demo model only (the medium model runs the same code, ~4x slower).
     proc = run_script(str(BENCH / "checkpoint_bench.py"), "--smoke", "--out", str(tmp_path / "out"))
@@ -278,6 +279,7 @@ def test_checkpoint_bench_smoke(tmp_path):
     assert "demo (4×128): async stall / sync save = " in proc.stdout
 
 
+@pytest.mark.slow
 def test_train_bench_smoke(tmp_path):
     # --smoke: 1 step, 1 round, and the memory table (DDP and FSDP on 2 gloo ranks) for the demo model only.
     out = tmp_path / "out"
@@ -293,6 +295,7 @@ def test_train_bench_smoke(tmp_path):
     assert (out / "train_bench.png").is_file()
 
 
+@pytest.mark.slow
 def test_loader_bench_smoke(tmp_path, token_dir):
     # --smoke: 1 round of 3 timed steps per variant; --data: the tests' token dir, so no pipeline (Ray) run.
     out = tmp_path / "out"
@@ -341,6 +344,7 @@ def test_recovery_pipeline_bench_smoke(tmp_path):
         assert dedup["progress_s"] > 0 and dedup["pass_done_s"] > 0
 
 
+@pytest.mark.slow
 def test_train_gpu_bench_smoke(tmp_path, token_dir):
     # --smoke: CPU, the tiny preset, eager, 1 timed step per way, deterministic runs of 2 steps (resumed at 1).
     out = tmp_path / "out"
@@ -355,6 +359,7 @@ def test_train_gpu_bench_smoke(tmp_path, token_dir):
     assert "| single | " in proc.stdout and "two fresh runs bitwise equal: True" in proc.stdout
 
 
+@pytest.mark.slow
 def test_perplexity_bench_smoke(tmp_path):
     # --make-model at its smallest: a 1 x 64 GPT with untrained weights, 8 documents, one round.
     args = ["--docs", "8", "--rounds", "1", "--make-model", str(tmp_path / "lm"), "--layers", "1", "--width", "64"]
@@ -377,6 +382,7 @@ def test_dedup_index_bench_smoke(tmp_path):
         assert result["spilled_bytes_per_doc"] > 400 * 8 and result["peak_rss_bytes"] >= result["rss_at_start_bytes"]
 
 
+@pytest.mark.slow
 def test_train_bench_refuses_a_nanogpt_dir_that_is_not_a_checkout(tmp_path):
     # The parity section needs a nanoGPT checkout the user supplies (none here): a wrong dir is refused at once.
     (tmp_path / "train.py").write_text("")

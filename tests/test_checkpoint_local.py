@@ -117,6 +117,7 @@ def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
     assert len(restored.skipped) == 1 and "checkpoint_step_000000004" in restored.skipped[0]
 
 
+@pytest.mark.slow
 def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path: Path) -> None:
     ref_dir, _ = reference
     import shutil
@@ -211,6 +212,7 @@ save_file({k: v.contiguous() for k, v in trainer.gpt.state_dict().items()}, sys.
 """
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_in_a_fresh_process_restores_the_rng_bitwise(
     token_dir: Path, tmp_path: Path, reference
 ) -> None:

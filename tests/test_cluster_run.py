@@ -535,6 +535,7 @@ def test_a_mixture_curates_each_source_keyed_by_its_own_inputs_and_the_first_sou
     assert second.tokenize.val_fraction == 0.3 and second.language == job.pipeline.language
 
 
+@pytest.mark.slow
 def test_inputs_inside_the_checkout_keep_their_key_when_the_checkout_moves(tmp_path: Path) -> None:
     """A `ray job submit` unpacks the checkout under a directory named after its content's hash: the bundled sample,
     named by its path in the checkout, must curate under the same key from two copies of the checkout (each run

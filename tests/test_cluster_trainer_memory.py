@@ -96,6 +96,7 @@ def _fsdp_worker(rank: int, world: int, port: int, queue: FlushedQueue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_prediction_equals_largest_rank_and_is_about_one_over_n() -> None:
     world = 2
     measured = dict(run_gloo_ranks(_fsdp_worker, world, timeout_s=120))

@@ -26,7 +26,7 @@ from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import Trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 REPO = Path(__file__).resolve().parents[1]
 
 

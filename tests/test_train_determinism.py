@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test runs a fresh interpreter that imports torch and trains a step
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = """

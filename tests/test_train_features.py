@@ -84,6 +84,7 @@ def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, que
         )
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> None:
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on two gloo ranks: the blocks
     compute in bf16 from fp32 sharded master weights, and the losses track the fp32 single-process run."""
@@ -113,6 +114,7 @@ def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strateg
         queue.put({"rank": rank, "skipped": skipped, "digests": digests, "bad_steps": trainer.bad_steps})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_bad_step_on_one_rank_is_skipped_by_every_rank_at_the_same_step(
     token_dir: Path, tmp_path: Path, strategy: str
@@ -163,6 +165,7 @@ def _rollback_worker(rank: int, world: int, port: int, data: str, out: str, stra
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_rollback_after_one_ranks_bad_step_lowers_the_lr_on_every_rank_alike(
     token_dir: Path, tmp_path: Path, strategy: str
@@ -203,6 +206,7 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(tok
         assert torch.equal(value, other), name
 
 
+@pytest.mark.slow
 def test_torch_compile_compiles_the_whole_model_and_keeps_names_and_losses(token_dir: Path, tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 
@@ -242,6 +246,7 @@ def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, 
         )
 
 
+@pytest.mark.slow
 def test_torch_compile_under_fsdp_compiles_each_block_forward_between_hooks(token_dir: Path, tmp_path: Path) -> None:
     """FSDP2, one gloo rank: each block's forward is compiled, its hooks (all-gather, reshard) are left around the
     compiled regions, one graph serves every block (no recompiles), and the losses are the eager run's."""
@@ -273,6 +278,7 @@ def _fsdp_reshard_worker(rank: int, world: int, port: int, data: str, out: str, 
         queue.put(result)
 
 
+@pytest.mark.slow
 def test_fsdp_reshard_policies_keep_what_they_say_and_train_alike(token_dir: Path, tmp_path: Path) -> None:
     """``parallel.fsdp_reshard_after_forward`` over two gloo ranks, 2 blocks and 2 micro-steps a step: ``always``
     frees every block's gathered parameters after its forward, ``default`` every block but the last, ``never``

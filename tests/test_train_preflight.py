@@ -89,6 +89,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_reports_bad_input_without_starting_ray(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     result = run_cli("--data", str(tmp_path / "empty"), "--output", str(tmp_path / "run"), "--steps", "5")

@@ -95,6 +95,7 @@ def _ddp_worker(rank: int, world: int, port: int, data: str, out: str, queue: Fl
         queue.put({"rank": rank, "profiled": trainer.profiler is not None})
 
 
+@pytest.mark.slow
 def test_only_the_ranks_asked_for_profile_each_into_its_own_trace(token_dir: Path, tmp_path: Path) -> None:
     results = sorted(run_gloo_ranks(_ddp_worker, 2, str(token_dir), str(tmp_path)), key=lambda r: r["rank"])
     assert [r["profiled"] for r in results] == [False, True]

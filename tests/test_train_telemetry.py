@@ -360,6 +360,7 @@ def loss_alerts(prom: str, state: str) -> list[dict]:
     return [a for a in alerts(prom) if a["labels"]["alertname"] == "RayLMTrainLossNonFinite" and a["state"] == state]
 
 
+@pytest.mark.slow
 def test_prometheus_sees_the_healthy_run_with_its_labels_and_tokens(nan_run: dict[str, Any]) -> None:
     trainer = nan_run["trainer"]
     (up,) = nan_run["up"]

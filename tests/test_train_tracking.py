@@ -25,7 +25,7 @@ from train.parallel import DistContext
 from train.preflight import check_data
 from train.trainer import StepInfo, Trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 STEPS = 4
 TRACKED = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
