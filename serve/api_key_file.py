@@ -2,9 +2,9 @@
 blank lines and lines starting with ``#`` are skipped. Only the keys' sha256 digests go to the replicas
 (serve/api_keys.py checks a presented key against them).
 
-Apart from serve/api_keys.py, whose middleware answers with the ingress's error bodies and so imports Ray Serve LLM
-and vLLM: ``python -m serve`` and the canary read the file without paying that import (20 s or more on a small CPU
-node) first.
+Kept apart from serve/api_keys.py, whose middleware answers with the ingress's error bodies and so imports Ray Serve
+LLM and vLLM: ``python -m serve`` and the canary read the file without paying that import (20 s or more on a small
+CPU node) first.
 """
 
 from __future__ import annotations
