@@ -42,8 +42,8 @@ def ccnet_texts() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _ray_marker_is_true(request: pytest.FixtureRequest):
-    """The ``ray`` marker is one of what `make test-fast` (``-m "not ray and not slow"``) leaves out: a test that starts
-    Ray in this process (itself, or through a fixture) without the marker fails, naming the marker to add."""
+    """The ``ray`` marker is one of the two that `make test-fast` (``-m "not ray and not slow"``) leaves out: a test
+    that starts Ray in this process (itself, or through a fixture) without the marker fails, naming the marker."""
     yield
     if request.node.get_closest_marker("ray") is None and "ray" in sys.modules:
         import ray

@@ -112,7 +112,6 @@ def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request
             added.set()
             wait_for(lambda: engine_replicas(engine) == {"RUNNING": 2}, SCALE_UP_TIMEOUT_S, "a second engine replica")
         finally:
-            added.set()
             scaled.set()
             for t in threads:
                 t.join(timeout=180)

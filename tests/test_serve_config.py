@@ -124,7 +124,7 @@ def test_cli_refuses_a_directory_that_is_not_an_export(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "serve", "--model", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
     )
-    assert out.returncode == 2 and "not an export dir" in out.stderr
+    assert out.returncode == 2
     # Refused before vLLM is imported (seconds rather than tens of them): nothing else on stderr, not even the notes
     # vLLM's import logs on a node without a GPU.
     refusal = f"error: {tmp_path} is not an export dir (python -m train.export): missing lineage.json, which the"
