@@ -46,6 +46,9 @@ Measured per lossy run:
 
     .venv/bin/python bench/recovery_pipeline_bench.py [--rounds 1] [--scenarios dedup,filter] [--kill-at 0.5]
     .venv/bin/python bench/recovery_pipeline_bench.py --smoke   # 1 round of each scenario
+
+Its smoke test is tests/test_cluster_data_path.py's dedup-loss test, which runs a ``--smoke --scenarios dedup``
+round on that module's cluster (``run_once``, ``compare``, ``table``) rather than a cluster of its own.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the cluster fixture, the sample copie
 
 from conftest import SAMPLE, sample_copies  # noqa: E402
 from multinode import (  # noqa: E402
+    PIPELINE_JOB_ARGS,
     MultiNodeCluster,
     index_shard_node,
     multinode_cluster,
@@ -86,13 +90,6 @@ from ground.storage import Location  # noqa: E402
 JOB_TIMEOUT_S = 900
 POLL_S = 0.05
 REBUILD_NOTICE = "rebuilding the index from the persisted keys"
-# The data-path tests' job (tests/test_cluster_data_path.py CONFIG): the demo config with its files by absolute
-# path (job drivers run elsewhere) and small dedup batches, so the dedup pass lasts long enough to lose a node in.
-CONFIG = ["--config", str(REPO / "pipeline/configs/demo.yaml"),
-          "--set", f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
-          "--set", f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
-          "fields: [question]}]",
-          "--set", "execution.batch_size=8"]  # fmt: skip
 
 
 @dataclass
@@ -296,7 +293,7 @@ def run_once(
 ) -> dict[str, Any]:
     cluster.ensure_workers(2)
     started = time.monotonic()
-    job = cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", uri, *CONFIG))
+    job = cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", uri, *PIPELINE_JOB_ARGS))
     watch = BucketWatch(uri).start()
     result: dict[str, Any] = {"scenario": scenario, "output": uri}
     try:
@@ -416,27 +413,29 @@ def spread(values: list[float], rounds: int) -> str:
     return f"{mid:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argparse.Namespace) -> None:
+def table(results: list[dict[str, Any]], scenarios: list[str], args: argparse.Namespace) -> str:
+    lines: list[str] = []
+    out = lines.append
     refs = [r for r in results if r["scenario"] == "reference"]
-    print(
+    out(
         f"### Recovery from a lost worker node: pipeline run ({args.files} input files, 2 worker nodes of 2 CPUs, "
         f"execution.batch_size=8, loss at {args.kill_at:g} of the pass, a replacement node added after)\n"
     )
-    print(
+    out(
         f"reference: {len(refs)} runs, wall s {spread([r['wall_s'] for r in refs], args.rounds)}; "
         f"dedup pass s {spread([r['passes']['dedup'] for r in refs], args.rounds)}; "
         f"filter pass s {spread([r['passes']['filter'] for r in refs], args.rounds)}\n"
     )
-    print(
+    out(
         "| scenario | runs | loss → progress s | loss → pass done s | redone / done before loss (+ in flight "
         "on the lost node) | re-run share of executed | extra wall s | identical |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|")
     for scenario in scenarios:
         rows = [r for r in results if r["scenario"] == scenario and not r["missed"]]
         missed = sum(r["scenario"] == scenario and r["missed"] for r in results)
         if not rows:
-            print(f"| {scenario} | 0 | missed {missed}: the pass ended before the loss | | | | | |")
+            out(f"| {scenario} | 0 | missed {missed}: the pass ended before the loss | | | | | |")
             continue
         units = rows[0]["units"]
         redone = " ".join(
@@ -445,7 +444,7 @@ def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argpa
         )
         share = spread([r["rerun_share_of_executed"] for r in rows], args.rounds)
         identical = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
-        print(
+        out(
             f"| {scenario} | {len(rows)}{f' (+{missed} missed)' if missed else ''} | "
             f"{spread([r['progress_s'] for r in rows], args.rounds)} | "
             f"{spread([r['pass_done_s'] for r in rows], args.rounds)} | {redone} {units} | {share} | "
@@ -453,27 +452,28 @@ def print_table(results: list[dict[str, Any]], scenarios: list[str], args: argpa
         )
     lost = [r for r in results if r["scenario"] == "filter" and not r["missed"]]
     if lost:
-        print(
+        out(
             f"\nfilter: loss → the lost files done again (last retried task finished) s "
             f"{spread([r['lost_redone_s'] for r in lost], args.rounds)}; files through the pass at the loss "
             f"{' '.join(str(r['done_before_loss']) for r in lost)} of {args.files}"
         )
     dedup = [r for r in results if r["scenario"] == "dedup" and not r["missed"]]
     if dedup:
-        print(
+        out(
             f"dedup: loss → first failed call to the lost shard s "
             f"{spread([r['loss_seen_s'] for r in dedup], args.rounds)}; → the rebuilt index's shards created s "
             f"{spread([r['rebuild_started_s'] for r in dedup], args.rounds)}; → its first batch s "
             f"{spread([r['progress_s'] for r in dedup], args.rounds)}"
         )
-        print(
+        out(
             f"dedup: batches per pass {' '.join(str(r['batches_per_pass']) for r in dedup)} of ≤8 documents, "
             f"{dedup[0]['docs_into_dedup']} documents into dedup; rebuilds per run "
             f"{' '.join(str(r['rebuilds']) for r in dedup)}"
         )
+    return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--scenarios", default="dedup,filter")
@@ -487,14 +487,25 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=2, help="copies of data/sample as input (6 files each)")
     parser.add_argument("--smoke", action="store_true", help="smallest setting: 1 round")
     parser.add_argument("--json", help="also write every run's numbers here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.rounds = 1
-    scenarios = [s for s in args.scenarios.split(",") if s]
-    if not set(scenarios) <= {"dedup", "filter"} or not 0 < args.kill_at < 1 or args.rounds < 1:
+    args.scenario_list = [s for s in args.scenarios.split(",") if s]
+    if not set(args.scenario_list) <= {"dedup", "filter"} or not 0 < args.kill_at < 1 or args.rounds < 1:
         parser.error("--scenarios takes dedup and/or filter; --kill-at is in (0, 1); --rounds >= 1")
     args.files = args.copies * len(list(SAMPLE.iterdir()))
+    return args
 
+
+def compare(run: dict[str, Any], reference: dict[str, Any], reference_output: dict[str, bytes]) -> None:
+    """A lossy run's cost against its round's reference, and whether it published the same bytes."""
+    run["extra_wall_s"] = run["wall_s"] - reference["wall_s"]
+    run["identical"] = stored_output(run["output"]) == reference_output
+
+
+def main() -> int:
+    args = parse_args()
+    scenarios = args.scenario_list
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="recovery-pipeline-bench-") as tmp:
         work = Path(tmp)
@@ -517,8 +528,7 @@ def main() -> int:
                 reference = stored_output(runs["reference"]["output"])
                 for scenario in scenarios:
                     run = runs[scenario]
-                    run["extra_wall_s"] = run["wall_s"] - runs["reference"]["wall_s"]
-                    run["identical"] = stored_output(run["output"]) == reference
+                    compare(run, runs["reference"], reference)
                     print(
                         f"  {scenario}: progress {run['progress_s']}, redone {run['redone']}/"
                         f"{run['done_before_loss']}, extra wall {run['extra_wall_s']:.1f} s, "
@@ -529,7 +539,7 @@ def main() -> int:
                 results += [runs[s] for s in order]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    print_table(results, scenarios, args)
+    print(table(results, scenarios, args), end="")
     return 0
 
 

@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     from serve.api_key_file import ApiKeyError, read_keys
     from serve.model_dir import ModelDirError, check_cpu_attention, read_export
 
+    quiet_triton_notes_without_a_gpu()  # before check_cpu_attention, which imports a part of vLLM
+
     # Bad input fails here, with a clear message, rather than in a replica's log; and before vLLM is imported (with
     # serve.app below), which takes 20 s or more on a small CPU node: a typo in --model is refused at once.
     try:
@@ -227,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelDirError, ApiKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    quiet_triton_notes_without_a_gpu()
     with root_logging_kept():  # ray.serve.llm, imported here once, replaces the root logger's handlers
         importlib.import_module("serve.app")
     # Serve's and Serve LLM's driver-side INFO (Serve started; "connecting to existing Serve app", which serve.run

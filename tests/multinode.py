@@ -294,6 +294,19 @@ def load_bench(name: str) -> ModuleType:
     return bench
 
 
+# The data path's pipeline job on the cluster (tests/test_cluster_data_path.py, bench/recovery_pipeline_bench.py): the
+# demo config with its files named by absolute path (job drivers run in another directory), and small dedup batches,
+# so the dedup pass sends many batches and lasts long enough to lose a node in it.
+_REPO = Path(__file__).resolve().parents[1]
+PIPELINE_JOB_ARGS = [
+    "--config", str(_REPO / "pipeline/configs/demo.yaml"),
+    "--set", f"url_filter.blocklist={_REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
+    "--set", f"decontamination.eval_sets=[{{name: gsm8k, path: {_REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
+    "fields: [question]}]",
+    "--set", "execution.batch_size=8",
+]  # fmt: skip
+
+
 def python_module(module: str, *args: str) -> list[str]:
     """argv for ``python -m module args`` with this interpreter (the project's virtualenv, on every node)."""
     return [sys.executable, "-m", module, *args]
@@ -457,22 +470,30 @@ def publish_export(cluster: MultiNodeCluster, export: Path, staging: Path) -> st
     return location.uri
 
 
-def start_serving(cluster: MultiNodeCluster, model_uri: str, work: Path, max_batch_size: int = 8) -> ServingApp:
+def start_serving(
+    cluster: MultiNodeCluster,
+    model_uri: str,
+    work: Path,
+    max_batch_size: int = 8,
+    autoscaling: dict[str, Any] | None = None,
+) -> ServingApp:
     """The raylm app on the cluster, as ``serve run`` of a Serve config submitted as a job (serve/serve_config.yaml's
-    route): 2 engine replicas of ``model_uri``, each taking all of a worker node's CPUs (``replica_cpus``), so one
-    runs on each of the two CPU workers and a replacement waits for a node; the ingress pinned to a 0-CPU ingress
-    node (the config's ``deployments:`` override of its ``ray_actor_options``, test setup: raylm itself leaves the
-    ingress where Serve puts it); the one HTTP proxy on the head (``proxy_location: HeadOnly``), which is never lost,
-    as clients reach a cluster through its head, with serve/proxy_guard.py installed (``controller_options``)."""
+    route): 2 engine replicas of ``model_uri`` (with ``autoscaling``: as many as Serve's autoscaling asks for), each
+    taking all of a worker node's CPUs (``replica_cpus``), so one runs on each of the two CPU workers and a
+    replacement waits for a node; the ingress pinned to a 0-CPU ingress node (the config's ``deployments:`` override
+    of its ``ray_actor_options``, test setup: raylm itself leaves the ingress where Serve puts it); the one HTTP proxy
+    on the head (``proxy_location: HeadOnly``), which is never lost, as clients reach a cluster through its head, with
+    serve/proxy_guard.py installed (``controller_options``)."""
     from serve.controller_env import controller_env
 
     cluster.ensure_workers(2)
     if not cluster.nodes_with(INGRESS_RESOURCE):
         cluster.add_worker(num_cpus=0, resources={INGRESS_RESOURCE: 1})
     port, sd_dir = free_port(), work / "prom_sd"
+    replicas = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": 2}
     args = {
         "model": model_uri,
-        "num_replicas": 2,
+        **replicas,
         "replica_cpus": WORKER_CPUS,
         "max_batch_size": max_batch_size,
         "metrics_sd_dir": str(sd_dir),
@@ -557,20 +578,22 @@ class ServingApp:
         if app is not None and getattr(app.status, "value", app.status) == "DEPLOY_FAILED":
             raise AssertionError(f"Serve could not deploy the app: {app.message}")
 
-    def ready(self) -> dict[str, str] | None:
-        """The engine replicas (name -> node) once 2 run, one on each CPU worker node, and the ingress runs on an
-        ingress node; None until then."""
+    def ready(self, engines: int = 2) -> dict[str, str] | None:
+        """The engine replicas (name -> node) once ``engines`` run (2: one on each CPU worker node), and the ingress
+        runs on an ingress node; None until then."""
         self.check_job()
-        engines, ingress = self.replicas(self.engine), self.replicas(INGRESS)
-        placed = sorted(engines.values()) == sorted(w.node_id for w in self.cluster.cpu_workers)
+        running, ingress = self.replicas(self.engine), self.replicas(INGRESS)
+        workers = {w.node_id for w in self.cluster.cpu_workers}
+        placed = len(running) == engines and len(set(running.values())) == engines and set(running.values()) <= workers
         ingress_nodes = {w.node_id for w in self.cluster.nodes_with(INGRESS_RESOURCE)}
         pinned = len(ingress) == 1 and set(ingress.values()) <= ingress_nodes
-        running = self.states(self.engine) == {"RUNNING": 2} and self.states(INGRESS) == {"RUNNING": 1}
-        return engines if placed and pinned and running else None
+        states = self.states(self.engine) == {"RUNNING": engines} and self.states(INGRESS) == {"RUNNING": 1}
+        return running if placed and pinned and states else None
 
-    def wait_ready(self, timeout_s: float = SERVE_START_TIMEOUT_S) -> dict[str, str]:
+    def wait_ready(self, timeout_s: float = SERVE_START_TIMEOUT_S, engines: int = 2) -> dict[str, str]:
+        what = f"{engines} engine replica(s), each on its own CPU worker, and the ingress"
         try:
-            return wait_for(self.ready, timeout_s, "2 engine replicas, one on each CPU worker, and the ingress", 0.5)
+            return wait_for(lambda: self.ready(engines), timeout_s, what, 0.5)
         except WaitTimeout as exc:
             from ray import serve
 

@@ -1,5 +1,5 @@
-"""Checkpoints through Ray Train on CPU/gloo: a killed worker restarted by Ray, a crashed run continued
-with --resume, resharding to another world size, retention, async saves.
+"""Checkpoints through Ray Train on CPU/gloo: a killed worker restarted by Ray, a hung one failed by the watchdog,
+resharding to another world size, retention, async saves.
 
 Runs (8 steps, tiny model, fp32, dropout 0.1: every rank's RNG stream must resume too), each started once for
 the whole module:
@@ -12,9 +12,10 @@ the whole module:
   resharded from 2 ranks to 1 (no steps left to train, so the final model is the loaded one).
 - ``ddp_hung``: ``ddp_ref``'s config with ``max_failures=1`` and an 8 s hang timeout; rank 1 stops making
   progress after step 5 (a ``HangOnce`` step callback); the watchdog fails the worker, Ray restarts the group.
-- ``ddp_s3``: ``ddp_ref``'s config with ``checkpoint.storage`` on S3 (moto's server); rank 0 dies after step 5
-  with ``max_failures=0`` (the run fails); the crashed run's checkpoints are in the bucket only, and ``--resume``
-  in a new, empty run dir of the same name (the first cluster and its disks are gone) continues from S3.
+
+A crashed run resumed with --resume from object storage alone, and the checkpoints CLI on a bucket, are
+tests/test_storage_train_serve.py's (its run on moto's S3 is DDP-2 with dropout 0.1 too, its run dir in the
+bucket); ``checkpoint.storage`` in a bucket, with a node lost, is tests/test_train_node_loss.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow.fs
 import pytest
 import ray
 import torch
@@ -79,7 +79,7 @@ def config_for(data: Path, out: Path, strategy: str, workers: int, **extra: obje
 @pytest.fixture(scope="module")
 def runs(ray_cluster: str, token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt_runs")
-    names = ("fsdp_ref", "fsdp_killed", "ddp_ref", "fsdp1", "ddp_hung", "ddp_s3")
+    names = ("fsdp_ref", "fsdp_killed", "ddp_ref", "fsdp1", "ddp_hung")
     out = {name: root / name for name in names}
     keep2 = {"checkpoint.num_to_keep": 2}
     launch(config_for(token_dir, out["fsdp_ref"], "fsdp", 2, **keep2, **{"checkpoint.async_save": True}))
@@ -90,22 +90,6 @@ def runs(ray_cluster: str, token_dir: Path, tmp_path_factory: pytest.TempPathFac
     launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **every4))
     with pytest.raises(PreflightError, match="--resume"):  # a fresh run must not silently continue a run dir
         launch(config_for(token_dir, out["ddp_ref"], "ddp", 2, **every4))
-    no_retry = {"checkpoint.max_failures": 0}
-    resume = {"checkpoint.resume": True}
-
-    # A crash with max_failures=0 (the run fails), then --resume. The checkpoints are on S3, and the crashed run's
-    # dir is thrown away first: the run is resumed in a new one from the bucket alone (the harder case of the two;
-    # resuming in the same local run dir is test_checkpoint_local's and test_cluster_run's).
-    on_s3 = {"checkpoint.storage": f"{ray_cluster}/runs", **every4}
-    crashed = root / "lost_node" / "ddp_s3"
-    with pytest.raises(WorkerGroupError):
-        launch(config_for(token_dir, crashed, "ddp", 2, **on_s3, **no_retry), on_step_end=KillOnce(step=5, rank=0))
-    assert list_checkpoints(crashed) == []  # nothing but the bucket holds them
-    with pytest.raises(PreflightError, match=r"s3://raylm-checkpoints/runs/ddp_s3 already holds checkpoints"):
-        launch(config_for(token_dir, out["ddp_s3"], "ddp", 2, **on_s3))
-    shutil.rmtree(crashed.parent)
-    launch(config_for(token_dir, out["ddp_s3"], "ddp", 2, **on_s3, **resume))
-
     hang = {"checkpoint.max_failures": 1, "guard.hang_timeout_s": 8}
     launch(config_for(token_dir, out["ddp_hung"], "ddp", 2, **every4, **hang), on_step_end=HangOnce(step=5, rank=1))
 
@@ -157,47 +141,6 @@ def test_a_hung_rank_is_failed_by_the_watchdog_and_the_restart_matches_the_unint
     assert [(r["checkpoint"], r["step"]) for r in resumed] == [("checkpoint_step_000000004", 4)]
     assert losses(hung) == losses(runs["ddp_ref"])
     assert_same_weights(hung, runs["ddp_ref"])
-
-
-def test_a_crashed_run_resumes_from_checkpoints_on_object_storage_in_a_new_run_dir(runs: dict[str, Path]) -> None:
-    run = runs["ddp_s3"]
-    info = final_info(run)["resumed_from"]
-    assert [(r["checkpoint"], r["step"]) for r in info] == [("checkpoint_step_000000004", 4)]
-    # The new run dir saw steps 4..7 only; they and the final weights are the uninterrupted run's, bit for bit.
-    assert losses(run) == losses(runs["ddp_ref"])[4:]
-    assert_same_weights(run, runs["ddp_ref"])
-    assert list_checkpoints(run) == []
-    fs, root = pyarrow.fs.FileSystem.from_uri("s3://raylm-checkpoints/runs/ddp_s3")
-    stored = {i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(root))}
-    assert {"checkpoint_step_000000004", "checkpoint_step_000000008"} <= stored
-    assert ".raylm-storage-probe" not in stored
-
-
-def test_the_checkpoints_cli_verifies_and_inspects_checkpoints_in_object_storage(runs: dict[str, Path]) -> None:
-    run_uri = "s3://raylm-checkpoints/runs/ddp_s3"
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        # The AWS variables pointing at moto are in this process's environment (the ray_cluster fixture).
-        return subprocess.run([sys.executable, "-m", "checkpoints", *args], capture_output=True, text=True, cwd=REPO)
-
-    verified = cli("verify", run_uri)
-    assert verified.returncode == 0, verified.stderr
-    assert f"OK   {run_uri}/checkpoint_step_000000008: step 8" in verified.stdout
-    inspected = cli("inspect", "--json", f"{run_uri}/checkpoint_step_000000004")
-    assert inspected.returncode == 0, inspected.stderr
-    info = json.loads(inspected.stdout)
-    assert info["manifest"]["step"] == 4 and any(e["key"].startswith("model.") for e in info["entries"])
-
-    # One flipped byte in a stored shard: verify streams it, finds it and names the file.
-    fs, root = pyarrow.fs.FileSystem.from_uri(f"{run_uri}/checkpoint_step_000000004")
-    with fs.open_input_stream(f"{root}/__1_0.distcp") as src:
-        shard = bytearray(src.read())
-    shard[len(shard) // 2] ^= 0xFF
-    with fs.open_output_stream(f"{root}/__1_0.distcp") as out:
-        out.write(bytes(shard))
-    failed = cli("verify", f"{run_uri}/checkpoint_step_000000004")
-    assert failed.returncode == 1
-    assert "sha256 does not match the manifest (file: __1_0.distcp)" in failed.stderr
 
 
 def test_unusable_checkpoint_storage_fails_before_training(runs: dict[str, Path], token_dir: Path) -> None:

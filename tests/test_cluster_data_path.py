@@ -20,12 +20,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
 
 import pytest
 import requests
 import yaml
 from conftest import REPO, SAMPLE, sample_copies
-from multinode import MultiNodeCluster, index_shard_node, multinode_cluster, python_module, stored_output, wait_for
+from multinode import (
+    PIPELINE_JOB_ARGS,
+    MultiNodeCluster,
+    load_bench,
+    multinode_cluster,
+    python_module,
+    stored_output,
+    wait_for,
+)
 from ray.job_submission import JobStatus
 from remote_servers import upload_dir
 from serve_fixtures import sse_events
@@ -35,19 +45,9 @@ from ground.dist import free_port
 pytestmark = pytest.mark.ray
 
 COPIES = 2  # the sample twice: 12 input files, so a pass can be caught part-way
-# The demo config with its files named by absolute path (job drivers run in another directory), and small dedup
-# batches, so the dedup pass sends many batches and lasts long enough to lose a node in it.
-CONFIG = [
-    "--config",
-    str(REPO / "pipeline/configs/demo.yaml"),
-    "--set",
-    f"url_filter.blocklist={REPO / 'pipeline/configs/demo-url-blocklist.txt'}",
-    "--set",
-    f"decontamination.eval_sets=[{{name: gsm8k, path: {REPO / 'data/eval-sets/gsm8k-test.jsonl'}, "
-    "fields: [question]}]",
-    "--set",
-    "execution.batch_size=8",
-]
+# The dedup-loss test is bench/recovery_pipeline_bench.py's smoke round (one dedup scenario and its reference), on
+# this module's cluster. The loss lands a quarter of the way through the reference's dedup pass, well before its end.
+BENCH_ARGS = ["--smoke", "--scenarios", "dedup", "--kill-at", "0.25", "--copies", str(COPIES)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,9 @@ def inputs(cluster: MultiNodeCluster, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def pipeline_job(cluster: MultiNodeCluster, inputs: str, output: str, *extra: str) -> str:
-    return cluster.submit(python_module("pipeline", "run", "--input", inputs, "--output", output, *CONFIG, *extra))
+    return cluster.submit(
+        python_module("pipeline", "run", "--input", inputs, "--output", output, *PIPELINE_JOB_ARGS, *extra)
+    )
 
 
 def markers(uri: str, prefix: str) -> set[str]:
@@ -71,27 +73,47 @@ def markers(uri: str, prefix: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: MultiNodeCluster, inputs: str) -> dict[str, bytes]:
-    uri = f"{cluster.bucket}/out/reference"
-    result = cluster.wait_job(pipeline_job(cluster, inputs, uri), 600)
-    assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
-    files = stored_output(uri)
+def bench() -> ModuleType:
+    return load_bench("recovery_pipeline_bench")
+
+
+@pytest.fixture(scope="module")
+def reference_run(cluster: MultiNodeCluster, inputs: str, bench: ModuleType) -> dict[str, Any]:
+    """The job undisturbed (the bench's reference run): its numbers, and ``published``, every object it published."""
+    run = bench.run_once(
+        cluster, inputs, f"{cluster.bucket}/out/reference", "reference", bench.parse_args(BENCH_ARGS), None
+    )
+    files = stored_output(run["output"])
     assert "manifest.json" in files and not any(k.startswith(".staging") for k in files)
-    return files
+    return run | {"published": files}
 
 
-def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(cluster, inputs, reference):
-    cluster.ensure_workers(2)
-    uri = f"{cluster.bucket}/out/dedup-loss"
-    job = pipeline_job(cluster, inputs, uri)
-    node = wait_for(lambda: index_shard_node(cluster), 300, "the dedup pass's index shards", interval_s=0.05)
-    assert "dedup" not in markers(uri, "dedup"), "the dedup pass ended before a node could be lost in it"
-    cluster.kill_node(cluster.worker_on(node))
+@pytest.fixture(scope="module")
+def reference(reference_run: dict[str, Any]) -> dict[str, bytes]:
+    return reference_run["published"]
 
-    result = cluster.wait_job(job, 600)
-    assert result.status == JobStatus.SUCCEEDED, result.logs[-4000:]
-    assert "rebuilding the index from the persisted keys" in result.logs
-    assert stored_output(uri) == reference
+
+def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(
+    cluster: MultiNodeCluster, inputs: str, bench: ModuleType, reference_run: dict[str, Any]
+) -> None:
+    """The node holding a dedup index shard (an actor: the index lives in its memory) is killed part-way through the
+    pass and a replacement added; the run rebuilds the index from the keys it persisted and publishes the reference's
+    bytes. This is bench/recovery_pipeline_bench.py's smoke round too: its numbers and table are checked."""
+    args = bench.parse_args(BENCH_ARGS)
+    run = bench.run_once(cluster, inputs, f"{cluster.bucket}/out/dedup-loss", "dedup", args, reference_run)
+    bench.compare(run, reference_run, reference_run["published"])
+    assert not run["missed"], "the dedup pass ended before a node could be lost in it"
+    assert run["rebuilds"] >= 1  # the job's log says the index was rebuilt from the persisted keys
+    assert run["identical"]  # every object published is the undisturbed run's, byte for byte
+
+    # The bench's numbers are those of a run that lost an index shard and rebuilt it; its table renders.
+    assert reference_run["rebuilds"] == 0 and reference_run["files"] == run["files"] == args.files == 12
+    assert run["units"] == "batches" and 0 <= run["redone"] == run["done_before_loss"] <= run["batches_per_pass"]
+    assert run["executed"] == run["done_before_loss"] + run["batches_per_pass"] > 0
+    assert run["progress_s"] > 0 and run["pass_done_s"] > 0
+    table = bench.table([reference_run, run], args.scenario_list, args)
+    assert "### Recovery from a lost worker node: pipeline run" in table, table
+    assert "| dedup | 1 | " in table and "identical" in table and "1/1 |" in table, table
 
 
 def lose_a_node_in_the_filter_pass(cluster: MultiNodeCluster, inputs: str, uri: str) -> str:
@@ -169,8 +191,13 @@ def test_train_export_and_serve_hand_over_through_the_bucket_alone(cluster, refe
     # among them the time `ray job stop` leaves between its SIGTERM and its SIGKILL.
     shipped = yaml.safe_load((REPO / "cluster" / "jobs" / "runtime_env.yaml").read_text())["env_vars"]
     port = free_port()
+    # Eager, as the demo job serves (cluster/jobs/demo.yaml): what is handed over is the same, and the engine starts
+    # without compiling its model first.
     serve = cluster.submit(
-        python_module("serve", "--model", model, "--port", str(port), "--proxy-location", "HeadOnly"), env_vars=shipped
+        python_module(
+            "serve", "--model", model, "--port", str(port), "--proxy-location", "HeadOnly", "--enforce-eager"
+        ),
+        env_vars=shipped,
     )
     base = f"http://127.0.0.1:{port}"
 

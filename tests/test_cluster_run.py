@@ -5,11 +5,16 @@ served under the lineage's model id), change a train key (curation kept, trainin
 with a finished output (redone), and run the same chain on a moto S3 bucket with its driver SIGKILLed during training
 and submitted again (the same data bytes and the same final weights as the uninterrupted local chain). Specs that
 cannot run are refused before anything starts, naming the key.
+
+While the rerun serves, lm-evaluation-harness scores the live endpoint (``local-completions``) on the eval stage's
+tasks: every metric must be the one the eval stage got from the Hugging Face export (the harness's ``hf`` backend),
+and the canary's own scorer must give the harness's log-likelihood of each item.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pty
 import queue
@@ -20,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,8 +44,15 @@ from cluster.stages import KEY_CHARS
 from ground.dist import free_port
 from ground.hashing import sha256_file
 from ground.storage import Location
+from serve.canary import Canary, score_text
+from serve.evalset import load_evalset
+from serve.harness_tasks import CLOZE_TASK, PPL_TASK, build_tasks
+from serve.model_dir import read_export
 
 STEPS = 12
+# The served model and the Hugging Face export run the same weights through different code (vLLM's, transformers'),
+# in fp32.
+HARNESS_REL_TOL = 1e-4
 SPEC: dict[str, Any] = {
     "data": {"inputs": str(SAMPLE), "base": "pipeline/configs/demo.yaml"},
     "train": {
@@ -192,19 +205,18 @@ def alive(processes: list[psutil.Process]) -> list[str]:
     return running
 
 
-@pytest.mark.ray
-def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_the_demo_does(
-    chain: dict[str, Any], tmp_path: Path
-) -> None:
-    """Every stage verified and skipped, then the serve stage as `make demo` runs it in a terminal (``serve.smoke``,
-    a pty on stdin): one streamed completion, one canary run over the eval stage's set, where to look; then it keeps
-    serving the lineage's model id until SIGTERM (what ``ray job stop`` sends), drains the streams in flight, and
-    exits 0, leaving no Ray or vLLM process behind."""
+@pytest.fixture(scope="module")
+def served(chain: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """An unchanged rerun to the serve stage, as `make demo` runs it in a terminal (``serve.smoke``, a pty on stdin):
+    every stage verified and skipped, one streamed completion, one canary run over the eval stage's set, where to
+    look; then it keeps serving the lineage's model id. The harness scores it, then the last test of the three stops it
+    as ``ray job stop`` does."""
     root = chain["root"]
     before = tree(root)
     port = free_port()
     settings = {"port": port, "enforce_eager": "true", "smoke": "true", "smoke_prompt": "The library",
-                "shutdown_timeout": 60, "canary_interval": 60, "metrics_sd_dir": tmp_path / "sd"}  # fmt: skip
+                "shutdown_timeout": 60, "canary_interval": 60,
+                "metrics_sd_dir": tmp_path_factory.mktemp("sd")}  # fmt: skip
     terminal, tty = pty.openpty()  # a terminal on stdin: after the smoke it keeps serving, as in the README's demo
     proc = subprocess.Popen(
         cli(chain["spec"], *[arg for key, value in settings.items() for arg in ("--set", f"serve.{key}={value}")]),
@@ -214,34 +226,127 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_t
     output: queue.Queue = queue.Queue()
     printed: list[str] = []
     threading.Thread(target=lines_of, args=(proc.stdout, output), daemon=True).start()
-    model = chain["lineage"]["model_id"]
     try:
         while (line := output.get(timeout=300)) is not None and line != "serving; Ctrl-C to stop\n":
             printed.append(line)
         assert line is not None, "".join(printed)[-5000:]
         # Everything it started: its local Ray's daemons and workers, the replicas, vLLM's engine core.
         processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        names = " ".join(" ".join([p.name(), *p.cmdline()]) for p in processes)
-        assert "raylet" in names and "gcs_server" in names and "EngineCore" in names, names
-        base = f"http://127.0.0.1:{port}"
-        assert [m["id"] for m in requests.get(f"{base}/v1/models", timeout=30).json()["data"]] == [model]
-        # Two streams in flight, then SIGTERM: both run to their end, and the job exits 0 by itself.
-        started = [threading.Event(), threading.Event()]
-        with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(stream_completion, base, model, event) for event in started]
-            assert all(event.wait(60) for event in started)
-            proc.send_signal(signal.SIGTERM)
-            for stream in streams:
-                chunks = stream.result(timeout=120)
-                assert chunks[-1].choices[0].finish_reason == "length", chunks  # every one of its 100 tokens came
-        assert proc.wait(timeout=120) == 0, "".join(printed)[-5000:]
-        while (line := output.get(timeout=30)) is not None:
-            printed.append(line)
+        yield {"proc": proc, "base": f"http://127.0.0.1:{port}", "output": output, "printed": printed,
+               "processes": processes, "before": before}  # fmt: skip
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         os.close(terminal)
+
+
+@pytest.fixture(scope="module")
+def harness(served: dict[str, Any], chain: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-evaluation-harness (the `lm-eval` package, a harness nobody here wrote) through the live endpoint
+    (`local-completions`: loglikelihood through ``echo`` + ``logprobs``), on the eval stage's items: the ones the stage
+    scored on the Hugging Face export (its ``hf`` backend), which the served model must score alike."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files; nothing may reach a hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import lm_eval
+
+    lineage = chain["lineage"]
+    hf_dir = lineage["export"]["hf"]["dir"]
+    block = json.loads((Path(lineage["export"]["raylm"]["dir"]) / "config.json").read_text())["block_size"]
+    # The stage's task YAMLs name the jsonl files where it built them (a scratch dir, gone): the same tasks are built
+    # again here, as the stage builds them, and must hold the very items the stage stored.
+    stored = Path(lineage["eval"]["dir"]) / "tasks"
+    tasks = build_tasks(lineage["data"]["dir"], tmp_path_factory.mktemp("tasks"), SPEC["eval"]["items"], block - 2)
+    for name in ("canary-evalset.jsonl", f"{PPL_TASK}.jsonl", f"{CLOZE_TASK}.jsonl"):
+        assert (tasks / name).read_bytes() == (stored / name).read_bytes(), name
+    # max_length: the harness keeps one token for generation, so windows are max_length - 1 = block - 1 long.
+    model_args = (
+        f"model={lineage['model_id']},base_url={served['base']}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={hf_dir},max_length={block},num_concurrent=1,max_retries=1"
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=list(lineage["eval"]["scores"]),
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks)),
+        batch_size=4,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    return {"results": results, "tasks": tasks}
+
+
+@pytest.mark.ray
+def test_the_endpoint_scores_every_item_as_the_eval_stage_scored_the_hf_export(
+    harness: dict[str, Any], chain: dict[str, Any]
+) -> None:
+    """The same weights through vLLM (ours, served) and through transformers (the eval stage's ``hf`` backend), in
+    fp32: every metric of every task agrees to 1e-4 relative."""
+    results, tasks = harness["results"], harness["tasks"]
+    items = {PPL_TASK: load_evalset(tasks / "canary-evalset.jsonl").items,
+             CLOZE_TASK: (tasks / f"{CLOZE_TASK}.jsonl").read_text().splitlines()}  # fmt: skip
+    assert len(items[PPL_TASK]) == len(items[CLOZE_TASK]) == SPEC["eval"]["items"]
+    for task, task_items in items.items():
+        assert len(results["samples"][task]) == len(task_items), task
+    ppl = results["results"][PPL_TASK]["word_perplexity,none"]
+    assert math.isfinite(ppl) and ppl > 1
+    stage_scores = chain["lineage"]["eval"]["scores"]
+    assert set(stage_scores) == {PPL_TASK, CLOZE_TASK}
+    for task, metrics in stage_scores.items():
+        assert metrics, task
+        for key, value in metrics.items():
+            assert results["results"][task][f"{key},none"] == pytest.approx(value, rel=HARNESS_REL_TOL), (task, key)
+
+
+@pytest.mark.ray
+def test_the_canary_scores_what_the_harness_scores(
+    harness: dict[str, Any], served: dict[str, Any], chain: dict[str, Any]
+) -> None:
+    """The canary's own scorer (echo + logprobs, serve.canary.score_text) gives the harness's log-likelihood of each
+    item, and its score is their total over the tokens scored."""
+    lineage = chain["lineage"]
+    evalset = load_evalset(harness["tasks"] / "canary-evalset.jsonl")
+    harness_loglik = {s["doc"]["text"]: float(s["filtered_resps"][0]) for s in harness["results"]["samples"][PPL_TASK]}
+    lineage_id = read_export(lineage["export"]["raylm"]["dir"]).lineage_id
+    total_logprob = total_tokens = 0.0
+    session = requests.Session()
+    for item in evalset.items:
+        logprob, tokens, scored_by = score_text(session, served["base"], lineage["model_id"], item.text, timeout=60)
+        assert scored_by == lineage_id  # the response names the weights that scored it
+        assert logprob == pytest.approx(harness_loglik[item.text], rel=HARNESS_REL_TOL), item.id
+        total_logprob += logprob
+        total_tokens += tokens
+    canary = Canary(served["base"], evalset, interval=60, min_score=None, timeout=60).run_once()
+    assert canary["status"] == "success", json.dumps(canary)
+    assert canary["score"] == pytest.approx(sum(harness_loglik.values()) / total_tokens, rel=HARNESS_REL_TOL)
+    assert canary["score"] == pytest.approx(total_logprob / total_tokens, rel=1e-9)
+
+
+@pytest.mark.ray
+def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_the_demo_does(
+    chain: dict[str, Any], served: dict[str, Any]
+) -> None:
+    """The serve stage of ``served``: it keeps serving the lineage's model id until SIGTERM (what ``ray job stop``
+    sends), drains the streams in flight, and exits 0, leaving no Ray or vLLM process behind."""
+    root, proc, output, printed = chain["root"], served["proc"], served["output"], served["printed"]
+    processes = served["processes"]
+    names = " ".join(" ".join([p.name(), *p.cmdline()]) for p in processes)
+    assert "raylet" in names and "gcs_server" in names and "EngineCore" in names, names
+    base = served["base"]
+    model = chain["lineage"]["model_id"]
+    assert [m["id"] for m in requests.get(f"{base}/v1/models", timeout=30).json()["data"]] == [model]
+    # Two streams in flight, then SIGTERM: both run to their end, and the job exits 0 by itself.
+    started = [threading.Event(), threading.Event()]
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream_completion, base, model, event) for event in started]
+        assert all(event.wait(60) for event in started)
+        proc.send_signal(signal.SIGTERM)
+        for stream in streams:
+            chunks = stream.result(timeout=120)
+            assert chunks[-1].choices[0].finish_reason == "length", chunks  # every one of its 100 tokens came
+    assert proc.wait(timeout=120) == 0, "".join(printed)[-5000:]
+    while (line := output.get(timeout=30)) is not None:
+        printed.append(line)
     log = "".join(printed)
     states = stage_states(log)
     assert [states[s] for s in ("curate", "train", "export", "eval", "serve")] == ["skipped"] * 4 + ["running"]
@@ -262,7 +367,7 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_t
     assert "Triton" not in log, log  # vLLM's import-time notes on a node without a GPU (serve/__main__.py)
     # Nor Serve's own start-up INFO lines, which the endpoint line says better (serve/__main__.py).
     assert "Serve in namespace" not in log and "is ready at" not in log, log
-    after = tree(root)
+    after, before = tree(root), served["before"]
     # Nothing was rewritten but the lineage, which says the same.
     changed = {name for name in before if after[name] != before[name]}
     assert changed <= {"lineage.json"} and set(after) == set(before)

@@ -1,13 +1,22 @@
-"""Serving survives the loss of a node: the raylm app (vLLM under Ray Serve LLM, serve/app.py) on the multi-node test
-cluster (tests/multinode.py), steady streaming and non-streaming load, and a node killed mid-load, twice: the node of
-one of the two engine replicas, then the ingress's node.
+"""Serving scales under load and survives the loss of a node: the raylm app (vLLM under Ray Serve LLM, serve/app.py)
+on the multi-node test cluster (tests/multinode.py), steady streaming and non-streaming load, and a node killed
+mid-load, twice: the node of one of the two engine replicas, then the ingress's node.
 
-The app runs as ``serve run`` of a Serve config, submitted as a job (``multinode.start_serving``): 2 engine replicas
-(``ExportServer:<model>``), each pulling the export from the moto bucket into its node's cache and taking all of a
-worker node's CPUs, so one runs on each worker; the ingress (``RayLMIngress``, which every request passes through:
+The app runs as ``serve run`` of a Serve config, submitted as a job (``multinode.start_serving``), with the engine
+deployment (``ExportServer:<model>``) autoscaled as ``python -m serve``'s default does (serve/config.py:
+DEFAULT_AUTOSCALING, min 1, max 2), with a target of 1 request per replica and short windows, so that a few
+clients are load enough and the test waits seconds rather than the default's minutes. Each engine replica pulls the
+export from the moto bucket into its node's cache and takes all of a worker node's CPUs, so one runs on each worker;
+the ingress (``RayLMIngress``, which every request passes through:
 caps, accounting, then a handle call to an engine) pinned to a 0-CPU ingress node by the config, so that losing an
 engine's node is not also losing the ingress; the one HTTP proxy on the head (0 CPUs, never killed), as clients reach
 a cluster through its head. A node loss is a VM loss: every process of the node SIGKILLed at once.
+
+**Autoscaling.** The app starts with one engine replica (the default's minimum), and Serve adds the second once the
+load asks for it; no request fails while it does. Once Serve has added the replica, one request at a time goes to
+the app until it runs (requests keep flowing, and the new engine's start, three processes importing vLLM, is not
+left to compete with the whole load for the machine's 2 cores), then the whole load again on both. The node-loss
+scenarios below start from the two replicas this leaves.
 
 **An engine's node.** The scenario is bench/recovery_serve_bench.py's round at ``--smoke`` (so this is that bench's
 smoke test as well; its numbers and table are checked too). Client threads send completions, streamed and not, with
@@ -47,6 +56,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -57,6 +67,7 @@ from multinode import (
     INGRESS_RESOURCE,
     Load,
     MultiNodeCluster,
+    Request,
     ServingApp,
     load_bench,
     multinode_cluster,
@@ -67,16 +78,19 @@ from multinode import (
 )
 from serve_fixtures import split_documents
 
+from serve.config import DEFAULT_AUTOSCALING
 from serve.evalset import build_evalset
 from serve.proxy_guard import CODE, STATUS
 
-pytestmark = pytest.mark.ray
+# serve.status() here reads the autoscaling config back, metrics_interval_s and all (see AUTOSCALING).
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")]
 
 
 # The untrained 4-layer, 1024-context test model (head size 32, which vLLM's CPU attention has): 600 greedy tokens
 # take seconds even alone on an idle engine, so the probes are still running when their engine's node is killed.
 MAX_TOKENS = 600
 STREAM_CLIENTS, PLAIN_CLIENTS = 2, 3
+SCALE_TOKENS = 200  # the scale-up's requests: shorter, so that a turn ends within seconds
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +99,62 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         yield started
 
 
+# python -m serve's default (min 1, max 2) with a target of 1 request per replica and short windows. The ingress's
+# router reports its requests to the controller every metrics_interval_s (10 s by default, deprecated in favour of
+# environment variables that Ray 2.60 does not read yet): every 0.5 s. The node-loss scenarios pause the load and
+# probe one request at a time, below the target for two: no scaling down within the module.
+AUTOSCALING = DEFAULT_AUTOSCALING | {
+    "target_ongoing_requests": 1,
+    "upscale_delay_s": 1,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+    "downscale_delay_s": 3600,
+}
+TURN_GAP_S = 2.0  # between the one-at-a-time requests while the second engine starts
+
+
 @pytest.fixture(scope="module")
 def serving(
     cluster: MultiNodeCluster, long_context_export: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> ServingApp:
-    """The app, started once for the module: each test waits for it to be whole (2 engines, the ingress) first."""
+    """The app, started once for the module, with its engine deployment autoscaled from 1 replica to 2."""
     work = tmp_path_factory.mktemp("serving")
     model_uri = publish_export(cluster, long_context_export, work / "staging")
-    return start_serving(cluster, model_uri, work, max_batch_size=8)
+    return start_serving(cluster, model_uri, work, max_batch_size=8, autoscaling=AUTOSCALING)
+
+
+@dataclass
+class ScaleUp:
+    at_rest: dict[str, str]  # the engine replicas (name -> node) before the load
+    added_at: float  # when Serve listed a second engine replica
+    running_at: float  # when both ran
+    outcomes: list[Request]  # every request of the load and the turns, in flight too
+
+
+@pytest.fixture(scope="module")
+def scaled(serving: ServingApp) -> ScaleUp:
+    """The load that makes Serve add the second engine replica, run once for the module (the node-loss tests need
+    both replicas): two streaming clients and one non-streaming; one request at a time while the new engine starts;
+    then the whole load until each client has had a request answered by the two replicas."""
+    at_rest = serving.wait_ready(engines=1)
+    with Load(serving.base, serving.model, 2, 1, SCALE_TOKENS) as load:
+        wait_for(lambda: sum(serving.states(serving.engine).values()) == 2, 240, "Serve to add an engine replica", 0.2)
+        added_at = time.monotonic()
+        load.pause()
+        while not serving.ready(engines=2):
+            turn = load.probe(stream=True)
+            wait_for(lambda t=turn: t.ended, 2 * load.timeout[1], "a request while the second engine starts", 0.05)
+            time.sleep(TURN_GAP_S)
+        running_at = time.monotonic()
+        load.resume()
+        wait_for(
+            lambda: sum(o.ok for o in load.snapshot() if o.started >= running_at) >= 3,
+            180,
+            "responses from the scaled deployment",
+            0.2,
+        )
+    assert not load.stuck, load.stuck
+    return ScaleUp(at_rest, added_at, running_at, load.snapshot())
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +169,31 @@ def evalset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_load_scales_the_engine_from_one_replica_to_two_without_a_failed_request(
+    serving: ServingApp, scaled: ScaleUp
+) -> None:
+    assert len(scaled.at_rest) == 1  # the default's min_replicas: one engine at rest
+    engines = serving.ready(engines=2)
+    assert engines is not None and set(engines) > set(scaled.at_rest)  # the first one stayed, a second joined it
+    outcomes = scaled.outcomes
+    assert [o for o in outcomes if not o.ok] == []
+    # Load before Serve added the replica, requests while it started, and requests on the two after.
+    assert any(o.started < scaled.added_at for o in outcomes)
+    assert any(o.probe and scaled.added_at <= o.started < scaled.running_at for o in outcomes)
+    assert sum(o.started >= scaled.running_at for o in outcomes) >= 3
+    print(
+        f"\nautoscaling: {len(outcomes)} requests, none failed; the second engine replica ran "
+        f"{scaled.running_at - scaled.added_at:.1f} s after Serve added it",
+        file=sys.stderr,
+    )
+
+
 def counted_since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
 def test_serving_survives_the_loss_of_an_engine_node(
-    cluster: MultiNodeCluster, serving: ServingApp, evalset: Path
+    cluster: MultiNodeCluster, serving: ServingApp, scaled: ScaleUp, evalset: Path
 ) -> None:
     """The scenario is bench/recovery_serve_bench.py's round at ``--smoke`` (this is that bench's smoke test too: a
     cluster and two engines of its own would cost the suite minutes for the same scenario): the load, an engine's node
@@ -213,7 +294,9 @@ def test_serving_survives_the_loss_of_an_engine_node(
     assert counted.get(str(STATUS)) == len(failed), counted
 
 
-def test_serving_survives_the_loss_of_the_ingress_node(cluster: MultiNodeCluster, serving: ServingApp) -> None:
+def test_serving_survives_the_loss_of_the_ingress_node(
+    cluster: MultiNodeCluster, serving: ServingApp, scaled: ScaleUp
+) -> None:
     serving.wait_ready()
     ingress, ingress_node_id = serving.ingress()
     ingress_node = cluster.worker_on(ingress_node_id)

@@ -3,13 +3,16 @@ only storage the stages share, as on a cluster without a shared filesystem.
 
 One local Ray (2 CPUs) and one moto server for the module. The AWS variables and ``RAYLM_CACHE_DIR`` (the node's
 cache: this machine is the one node) are set before Ray starts, so every worker and replica inherits them; the
-driver works in an empty directory that must stay empty. Two runs (DDP-2, 8 steps, the tiny model), started once:
+driver works in an empty directory that must stay empty. Two runs (DDP-2, 8 steps, the tiny model, dropout 0.1),
+started once:
 
 - ``local``: data and run dir on local paths, the reference.
 - ``bucket``: the same run with ``--data s3://… --output s3://…``, with rank 0 SIGKILLed after step 5 (no
   restarts, so the run fails); then everything on this node is wiped (the cache, rank 0's working dir: the
   cluster is gone), and ``python -m train … --resume`` (the CLI's ``main`` in this process, a new driver)
-  continues from what the bucket holds. It must end bitwise where the local run ends.
+  continues from what the bucket holds. It must end bitwise where the local run ends. After the crash, a fresh run
+  into the same run dir is refused (it needs --resume); after the resume, the checkpoints CLI verifies and inspects
+  the checkpoints there.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +55,11 @@ from train.trainer import Trainer
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 BUCKET = "raylm-storage"
 STEPS = 8
-# One 32-wide head: the model is served by vLLM, whose CPU attention has kernels for head sizes from 32 up.
-DDP2 = {"parallel.strategy": "ddp", "parallel.workers": 2, "checkpoint.interval_steps": 4, "model.n_head": 1}
+REPO = Path(__file__).resolve().parents[1]
+# One 32-wide head: the model is served by vLLM, whose CPU attention has kernels for head sizes from 32 up. Dropout:
+# every rank's RNG stream must resume from the bucket too.
+DDP2 = {"parallel.strategy": "ddp", "parallel.workers": 2, "checkpoint.interval_steps": 4, "model.n_head": 1,
+        "model.dropout": 0.1}  # fmt: skip
 
 
 @dataclass
@@ -120,6 +128,9 @@ def runs(cluster: Cluster, data_uri: str, token_dir: Path, tmp_path_factory: pyt
     with pytest.raises(WorkerGroupError):  # no restarts allowed: the run fails
         launch(config_for(data_uri, bucket, **{"checkpoint.max_failures": 0}), on_step_end=KillOnce(step=5, rank=0))
     downloads = cached_downloads(f"{data_uri}/tokens/train-00000.bin")
+    # A fresh run into a run dir whose bucket holds checkpoints must not silently continue it.
+    with pytest.raises(PreflightError, match=rf"{bucket} already holds checkpoints .*: pass --resume"):
+        launch(config_for(data_uri, bucket))
     for entry in cluster.cache.iterdir():  # the node is gone: its cache and rank 0's working dir with it
         shutil.rmtree(entry)
     assert train_main([*cli_args(data_uri, bucket), "--resume"]) == 0
@@ -156,6 +167,35 @@ def test_a_run_on_the_bucket_resumed_from_the_bucket_alone_trains_exactly_the_ru
     assert [r["step"] for r in info["resumed_from"]] == [4]
     # Checkpoints went to Ray Train's storage, which is the run dir in the bucket.
     assert checkpoint_names(runs.bucket)
+
+
+def test_the_checkpoints_cli_verifies_and_inspects_checkpoints_in_the_bucket(runs: Runs, cluster: Cluster) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        # The AWS variables pointing at moto are in this process's environment (the cluster fixture).
+        return subprocess.run([sys.executable, "-m", "checkpoints", *args], capture_output=True, text=True, cwd=REPO)
+
+    verified = cli("verify", runs.bucket)
+    assert verified.returncode == 0, verified.stderr
+    assert f"OK   {runs.bucket}/checkpoint_step_000000008: step 8" in verified.stdout
+    step4 = f"{runs.bucket}/checkpoint_step_000000004"
+    inspected = cli("inspect", "--json", step4)
+    assert inspected.returncode == 0, inspected.stderr
+    info = json.loads(inspected.stdout)
+    assert info["manifest"]["step"] == 4 and any(e["key"].startswith("model.") for e in info["entries"])
+
+    # One flipped byte in a stored shard: verify streams it, finds it and names the file.
+    shard = Location(step4).join("__1_0.distcp")
+    honest = shard.read_bytes()
+    flipped = bytearray(honest)
+    flipped[len(flipped) // 2] ^= 0xFF
+    key = shard.uri.removeprefix(f"s3://{BUCKET}/")
+    cluster.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(flipped))
+    try:
+        failed = cli("verify", step4)
+    finally:
+        cluster.client.put_object(Bucket=BUCKET, Key=key, Body=honest)
+    assert failed.returncode == 1
+    assert "sha256 does not match the manifest (file: __1_0.distcp)" in failed.stderr
 
 
 def test_each_shard_is_downloaded_once_per_node_and_cached_once(runs: Runs, cluster: Cluster, token_dir: Path) -> None:
