@@ -135,7 +135,7 @@ class ScaleUp:
 def scaled(serving: ServingApp) -> ScaleUp:
     """The load that makes Serve add the second engine replica, run once for the module (the node-loss tests need
     both replicas): two streaming clients and one non-streaming; one request at a time while the new engine starts;
-    then the whole load until each client has had a request answered by the two replicas."""
+    then the whole load again, until three requests sent to the two replicas have been answered."""
     at_rest = serving.wait_ready(engines=1)
     with Load(serving.base, serving.model, 2, 1, SCALE_TOKENS) as load:
         wait_for(lambda: sum(serving.states(serving.engine).values()) == 2, 240, "Serve to add an engine replica", 0.2)
