@@ -736,6 +736,10 @@ class Load:
     def in_flight(self) -> list[Request]:
         return [r for r in self.snapshot() if r.ended is None]
 
+    def ok_since(self, since: float) -> int:
+        """Requests sent at or after ``since`` (``time.monotonic()``) that succeeded."""
+        return sum(r.ok for r in self.snapshot() if r.started >= since)
+
     def pause(self) -> None:
         with self.lock:  # a client past this point has its request listed already
             self.paused = True

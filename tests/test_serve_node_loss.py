@@ -147,12 +147,7 @@ def scaled(serving: ServingApp) -> ScaleUp:
             time.sleep(TURN_GAP_S)
         running_at = time.monotonic()
         load.resume()
-        wait_for(
-            lambda: sum(o.ok for o in load.snapshot() if o.started >= running_at) >= 3,
-            180,
-            "responses from the scaled deployment",
-            0.2,
-        )
+        wait_for(lambda: load.ok_since(running_at) >= 3, 180, "responses from the scaled deployment", 0.2)
     assert not load.stuck, load.stuck
     return ScaleUp(at_rest, added_at, running_at, load.snapshot())
 
@@ -336,12 +331,7 @@ def test_serving_survives_the_loss_of_the_ingress_node(
         running_again_at = time.monotonic()
         wait_for(lambda: not load.in_flight(), 2 * load.timeout[1], "every request in flight at the loss to end")
         load.resume()
-        wait_for(
-            lambda: sum(o.ok for o in load.snapshot() if o.started >= running_again_at) >= 3,
-            180,
-            "responses through the new ingress",
-            0.5,
-        )
+        wait_for(lambda: load.ok_since(running_again_at) >= 3, 180, "responses through the new ingress", 0.5)
 
     assert not load.stuck, load.stuck
     outcomes = load.snapshot()
