@@ -165,8 +165,9 @@ def test_a_run_on_the_bucket_resumed_from_the_bucket_alone_trains_exactly_the_ru
     for name, entry in info["files"].items():
         assert hashlib.sha256(stored[f"{FINAL_DIR}/{name}"]).hexdigest() == entry["sha256"], name
     assert [r["step"] for r in info["resumed_from"]] == [4]
-    # Checkpoints went to Ray Train's storage, which is the run dir in the bucket.
+    # Checkpoints went to Ray Train's storage, which is the run dir in the bucket; preflight's write probe is gone.
     assert checkpoint_names(runs.bucket)
+    assert not [name for name in stored if ".raylm-storage-probe" in name]
 
 
 def test_the_checkpoints_cli_verifies_and_inspects_checkpoints_in_the_bucket(runs: Runs, cluster: Cluster) -> None:
