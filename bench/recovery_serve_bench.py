@@ -41,7 +41,7 @@ Printed: per metric, the median and min-max over rounds (and the IQR with 4 roun
 pooled over every failed request of every round.
 
     .venv/bin/python bench/recovery_serve_bench.py [--rounds 3] [--replace-after 5] [--settle 3] [--json PATH]
-    .venv/bin/python bench/recovery_serve_bench.py --smoke   # 1 round, 1 s settle
+    .venv/bin/python bench/recovery_serve_bench.py --smoke   # 1 round, 1 s settle, 1 client of each kind
 
 The suite runs the smoke's round in tests/test_serve_node_loss.py, on that module's cluster and app.
 """
@@ -259,11 +259,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=600, help="tokens per request: seconds of generation (600)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences vLLM decodes together per replica (8)")
     parser.add_argument("--seed", type=int, default=0, help="picks the point of the stream where each kill lands (0)")
-    parser.add_argument("--smoke", action="store_true", help="smallest setting: 1 round, 1 s settle")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest setting: 1 round, 1 s settle, 1 client of each kind"
+    )
     parser.add_argument("--json", help="also write every round's numbers here")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.rounds, args.settle = 1, 1.0
+        # One client of each kind: the kill still finds both kinds on the victim (the probes), and the survivor's
+        # load leaves the replacement engine's start the cores it needs on a small machine.
+        args.rounds, args.settle, args.stream_clients, args.plain_clients = 1, 1.0, 1, 1
     if args.rounds < 1 or args.stream_clients < 1 or args.plain_clients < 1:
         parser.error("--rounds, --stream-clients and --plain-clients must be >= 1 (the kill waits for both kinds)")
     return args
