@@ -51,7 +51,7 @@ CANARY_INTERVAL = 5.0
 N_REQUESTS = 6
 TOKENS = 8
 MAX_ONGOING = 2
-LOAD_CLIENTS = 3  # streaming clients during the model swap
+LOAD_CLIENTS = 1  # a streaming client during the model swap: a request in flight throughout
 # Long enough a burst (~5 s at MAX_ONGOING running) that vLLM's running-requests gauge, exported once a second, is
 # caught non-zero: measured, a burst of 12 (~1.5 s) left every export of it at 0 more often than not.
 OVERLOAD_REQUESTS = 40
@@ -483,8 +483,8 @@ class StreamingLoad:
                 outcome = ("failed", exc)
             with self.lock:
                 self.outcomes.append(outcome)
-            # A short pause between a client's requests: requests stay in flight throughout the update, and the three
-            # clients do not take the two cores that the replacement engine needs to start.
+            # A short pause between a client's requests: a request stays in flight throughout the update, and the load
+            # leaves most of the two cores to the replacement engine's start.
             self.stop.wait(0.2)
 
     def count(self) -> int:
