@@ -3,7 +3,7 @@ on the multi-node test cluster (tests/multinode.py), whose nodes share no direct
 (``--output s3://…/runs/NAME``: metrics.jsonl, checkpoints, final/) and everything the test reads back are in its
 moto bucket.
 
-Runs (tiny model, 30 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into the run dir, one worker of
+Runs (tiny model, 20 steps, global batch 8 × 32 tokens, a checkpoint every 5 steps into the run dir, one worker of
 2 CPUs per node, so 2 workers span the 2 worker nodes):
 - ``reference``: DDP-2, undisturbed (a job).
 - DDP-2 (a job, run by bench/recovery_bench.py's ``fixed`` scenario: this is that bench's smoke test too): a node
@@ -51,7 +51,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-STEPS = 30
+STEPS = 20
 INTERVAL = 5  # checkpoint.interval_steps
 GLOBAL_BATCH, BLOCK = 8, 32  # tiny_overrides' data.global_batch_size and model.block_size
 JOB_TIMEOUT_S = 300
