@@ -501,12 +501,12 @@ def test_a_worse_model_rolled_out_under_load_drops_no_request_and_fires_the_cana
     stack, worse_export_dir
 ) -> None:
     """A rolling model update (what ``serve deploy`` with a changed ``model`` does; serve/README.md, "Updating the
-    model in place"): the app deployed again with the worse export under the same served name while clients stream.
-    With ``max_surge_percent`` (100 by default) the new replicas start beside the old ones (1 CPU each, the Ray
-    here has 2), which keep serving until the replacements are ready, then finish what they hold. Every request of
-    the load ends complete (with ``max_surge_percent: 0`` a request is lost with its old replica, and this test
-    fails), ``/health`` never leaves 200, and ``/v1/models`` switches lineage. Then the canary scores the new model,
-    and its regression alert fires. Nothing is timed."""
+    model in place"): the app deployed again with the worse export under the same served name while a client
+    streams. With ``max_surge_percent`` (100 by default) the new replicas start beside the old ones (1 CPU each, the
+    Ray here has 2), which keep serving until the replacements are ready, then finish what they hold. Every request
+    of the load ends complete, ``/health`` never leaves 200 (with ``max_surge_percent: 0`` it answers 503 while no
+    engine replica is ready, and this test fails), and ``/v1/models`` switches lineage. Then the canary scores the
+    new model, and its regression alert fires. Nothing is timed."""
     from ray import serve
 
     from serve.app import build_app
