@@ -261,7 +261,7 @@ def run_eval(
     import lm_eval
 
     from ground.cache import fetch_published
-    from serve.harness_tasks import build_tasks
+    from serve.harness_tasks import build_tasks, relocated_task_yaml
     from train.export import LINEAGE
 
     spec = job.spec.eval
@@ -292,8 +292,13 @@ def run_eval(
         # Which curation each item came from: a mixture's sources give items in turn while their val documents last.
         canary = (tasks / Path(CANARY_SET).name).read_text(encoding="utf-8").splitlines()
         items = collections.Counter(json.loads(line)["source"] for line in canary if line.strip())
+        # The stored task YAMLs name the stored jsonl, not the scratch copies the harness read: they run from there.
+        stored = out.join("tasks")
         for path in sorted(tasks.iterdir()):
-            out.join("tasks", path.name).upload_from(path)
+            if path.suffix == ".yaml":
+                stored.join(path.name).write_text(relocated_task_yaml(path, stored.uri))
+            else:
+                stored.join(path.name).upload_from(path)
         out.join(HARNESS_LOG).upload_from(harness_log)
     out.join(EVAL_SCORES).write_json(scores)
     return [EVAL_SCORES, CANARY_SET], {

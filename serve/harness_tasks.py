@@ -67,6 +67,18 @@ def task_yaml(name: str, data_file: Path, **fields: object) -> dict:
     }
 
 
+def relocated_task_yaml(path: Path, data_dir: str) -> str:
+    """The task YAML at ``path`` with its data file named under ``data_dir`` (a directory, or a URI named as it is)
+    instead of where it was built: what a stage stores beside the jsonl it uploads, so that stored tasks in a local
+    directory run from there (``lm_eval --include_path DIR``)."""
+    task = yaml.safe_load(path.read_text())
+    files = task["dataset_kwargs"]["data_files"]
+    task["dataset_kwargs"]["data_files"] = {
+        split: f"{data_dir.rstrip('/')}/{Path(file).name}" for split, file in files.items()
+    }
+    return yaml.safe_dump(task, sort_keys=False)
+
+
 def build_tasks(
     data_dirs: DataDir | Sequence[DataDir], output: str | Path, items: int = 16, max_tokens: int | None = None
 ) -> Path:

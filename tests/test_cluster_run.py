@@ -253,12 +253,15 @@ def harness(served: dict[str, Any], chain: dict[str, Any], tmp_path_factory: pyt
     lineage = chain["lineage"]
     hf_dir = lineage["export"]["hf"]["dir"]
     block = json.loads((Path(lineage["export"]["raylm"]["dir"]) / "config.json").read_text())["block_size"]
-    # The stage's task YAMLs name the jsonl files where it built them (a scratch dir, gone): the same tasks are built
-    # again here, as the stage builds them, and must hold the very items the stage stored.
+    # The harness runs the tasks the stage stored, as a user would: their YAMLs name the stored jsonl (the stage built
+    # them in a scratch dir, gone now). Built again from the lineage's data dir, they hold the very same items.
     stored = Path(lineage["eval"]["dir"]) / "tasks"
-    tasks = build_tasks(lineage["data"]["dir"], tmp_path_factory.mktemp("tasks"), SPEC["eval"]["items"], block - 2)
+    rebuilt = build_tasks(lineage["data"]["dir"], tmp_path_factory.mktemp("tasks"), SPEC["eval"]["items"], block - 2)
     for name in ("canary-evalset.jsonl", f"{PPL_TASK}.jsonl", f"{CLOZE_TASK}.jsonl"):
-        assert (tasks / name).read_bytes() == (stored / name).read_bytes(), name
+        assert (rebuilt / name).read_bytes() == (stored / name).read_bytes(), name
+    for name in (PPL_TASK, CLOZE_TASK):
+        task = yaml.safe_load((stored / f"{name}.yaml").read_text())
+        assert task["dataset_kwargs"]["data_files"] == {"test": str(stored / f"{name}.jsonl")}, task
     # max_length: the harness keeps one token for generation, so windows are max_length - 1 = block - 1 long.
     model_args = (
         f"model={lineage['model_id']},base_url={served['base']}/v1/completions,tokenizer_backend=huggingface,"
@@ -268,12 +271,12 @@ def harness(served: dict[str, Any], chain: dict[str, Any], tmp_path_factory: pyt
         model="local-completions",
         model_args=model_args,
         tasks=list(lineage["eval"]["scores"]),
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(tasks)),
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(stored)),
         batch_size=4,
         log_samples=True,
         bootstrap_iters=0,
     )
-    return {"results": results, "tasks": tasks}
+    return {"results": results, "tasks": stored}
 
 
 @pytest.mark.ray
