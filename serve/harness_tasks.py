@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from ground.storage import join
 from serve.evalset import DataDir, EvalSetError, build_evalset
 
 PPL_TASK = "raylm_val_ppl"
@@ -73,9 +74,7 @@ def relocated_task_yaml(path: Path, data_dir: str) -> str:
     directory run from there (``lm_eval --include_path DIR``)."""
     task = yaml.safe_load(path.read_text())
     files = task["dataset_kwargs"]["data_files"]
-    task["dataset_kwargs"]["data_files"] = {
-        split: f"{data_dir.rstrip('/')}/{Path(file).name}" for split, file in files.items()
-    }
+    task["dataset_kwargs"]["data_files"] = {split: join(data_dir, Path(file).name) for split, file in files.items()}
     return yaml.safe_dump(task, sort_keys=False)
 
 
