@@ -45,8 +45,11 @@ pytestmark = pytest.mark.ray
 
 COPIES = 2  # the sample twice: 12 input files, so a pass can be caught part-way
 # The dedup-loss test is bench/recovery_pipeline_bench.py's smoke round (one dedup scenario and its reference), on
-# this module's cluster. The loss lands a quarter of the way through the reference's dedup pass, well before its end.
-BENCH_ARGS = ["--smoke", "--scenarios", "dedup", "--kill-at", "0.25", "--copies", str(COPIES)]
+# this module's cluster. The loss lands a tenth of the way through the reference's dedup pass (~3 s here), counted
+# from when the test sees the index shards: on a busy machine that sighting can itself come late, so the kill aims
+# early, and a round whose pass still ended first is run again with the kill at the sighting.
+BENCH_ARGS = ["--smoke", "--scenarios", "dedup", "--kill-at", "0.1", "--copies", str(COPIES)]
+RETRY_KILL_AT = "0.01"
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +103,11 @@ def test_losing_a_node_in_the_dedup_pass_rebuilds_the_index_and_changes_nothing(
     bytes. This is bench/recovery_pipeline_bench.py's smoke round too: its numbers and table are checked."""
     args = bench.parse_args(BENCH_ARGS)
     run = bench.run_once(cluster, inputs, f"{cluster.bucket}/out/dedup-loss", "dedup", args, reference_run)
+    if run["missed"]:  # the pass outran the loss (it takes ~3 s): a round that measured nothing, not a failure
+        args = bench.parse_args([*BENCH_ARGS, "--kill-at", RETRY_KILL_AT])
+        run = bench.run_once(cluster, inputs, f"{cluster.bucket}/out/dedup-loss-again", "dedup", args, reference_run)
     bench.compare(run, reference_run, reference_run["published"])
-    assert not run["missed"], "the dedup pass ended before a node could be lost in it"
+    assert not run["missed"], "the dedup pass ended before a node could be lost in it, twice"
     assert run["rebuilds"] >= 1  # the job's log says the index was rebuilt from the persisted keys
     assert run["identical"]  # every object published is the undisturbed run's, byte for byte
 
