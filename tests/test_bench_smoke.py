@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -322,6 +323,23 @@ def test_language_prefix_bench_smoke():
         "1000",
     )
     assert "| prefix (chars) | time / whole text" in proc.stdout and "| 1,000 | " in proc.stdout
+
+
+def test_quality_speed_bench_smoke():
+    # The other side is this tree's own step loaded from its file: the same work, so no output may differ.
+    proc = run_script(
+        str(BENCH / "quality_speed.py"),
+        "--input",
+        str(REPO / "data" / "sample"),
+        "--rounds",
+        "1",
+        "--against-file",
+        str(REPO / "pipeline" / "steps" / "quality.py"),
+    )
+    assert "| side | ms per document, median [IQR] |" in proc.stdout, proc.stdout
+    kept = re.search(r"^(\d+) documents into the quality step", proc.stdout, re.M)
+    assert kept and int(kept.group(1)) > 0, proc.stdout
+    assert f"documents whose output differs: 0 of {kept.group(1)}" in proc.stdout, proc.stdout
 
 
 # bench/recovery_pipeline_bench.py's smoke round runs on the multi-node cluster of tests/test_cluster_data_path.py

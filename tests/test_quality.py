@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -374,6 +375,50 @@ def test_repetition_signals_on_hand_counted_text() -> None:
     assert s["dup_line_frac"] == pytest.approx(1 / 3)
     assert s["dup_line_char_frac"] == pytest.approx(13 / (13 + 13 + 19))
     assert s["dup_para_frac"] == 0.0
+
+
+def _brute_force_repetition(words: list[str]) -> dict[str, float]:
+    """Gopher's n-gram signals by their definitions, with a Counter of word tuples: the oracle for the vectorised
+    code, which carries only the positions whose shorter n-gram repeats from one n to the next."""
+    total = sum(map(len, words))
+    out: dict[str, float] = {}
+    for n in range(2, 11):
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        counts = Counter(grams)
+        if n <= 4:
+            top = max(counts.values(), default=0)
+            best = max((sum(map(len, g)) for g, c in counts.items() if c == top), default=0)
+            out[f"top_{n}gram_char_frac"] = min(1.0, top * best / total) if top > 1 else 0.0
+        else:
+            covered = {i + k for i, g in enumerate(grams) if counts[g] > 1 for k in range(n)}
+            out[f"dup_{n}gram_char_frac"] = sum(len(words[i]) for i in covered) / total
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_repetition_signals_equal_their_definitions_on_random_word_runs(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = [rng.choice(["a", "bb", "ccc", "dddd", "x7", "é", "word"]) + str(i) for i in range(rng.randint(1, 12))]
+    words = [rng.choice(vocab) for _ in range(rng.randint(1, 60))]
+    if seed % 4 == 0:  # a repeated phrase, overlapping itself, as boilerplate is
+        phrase = words[: rng.randint(1, 8)]
+        words = phrase * rng.randint(2, 5) + words
+    s = quality_signals(" ".join(words), QualityConfig())
+    for name, value in _brute_force_repetition(words).items():
+        assert s[name] == pytest.approx(value, abs=1e-12), (name, words)
+
+
+def test_word_signals_count_every_occurrence_with_its_neighbours_as_in_the_text() -> None:
+    # Non-alphabetic tokens (digits, symbols, underscores) repeated, and stop words inside punctuation, parentheses
+    # and other words: the signals count whole whitespace-delimited words, each occurrence, and stop words by \b.
+    words = ["42", "--", "The", "(the", "theory", "of,", "3.14", "___", "and/or", "42", "--", "x²", "with", "of"]
+    text = " \n".join(" ".join(words[i : i + 3]) for i in range(0, len(words), 3))
+    s = quality_signals(text, QualityConfig())
+    no_letter = [w for w in words if not any(ch.isalnum() and not ch.isdecimal() for ch in w)]
+    assert no_letter == ["42", "--", "3.14", "___", "42", "--"]
+    assert s["alpha_word_ratio"] == pytest.approx(1 - len(no_letter) / len(words))
+    # the, of, and, with: "theory" holds "the" but not as a word; "and/or" holds "and" as one.
+    assert s["stop_word_count"] == 4.0
 
 
 def test_c4_removes_javascript_and_cookie_lines_only() -> None:

@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -370,7 +370,36 @@ def _dup_fracs(items: list[str]) -> tuple[float | None, float | None]:
     return dup_count / len(items), (dup_chars / total_chars if total_chars else None)
 
 
-def _ngram_repetition(words: list[str]) -> dict[str, float]:
+class _Words:
+    """A document's whitespace-delimited words, split once and shared by every signal that counts them.
+
+    ``distinct`` holds each word once, in first-occurrence order; ``ids`` maps every position to its word there.
+    The regexes that judge words one by one (stop words, non-alphabetic tokens) run over the distinct words joined
+    by spaces instead of over the whole text (~47% of its characters on web text): a word's neighbours in the
+    text are whitespace or an edge, as in the joined string, so each word matches exactly as it did in place.
+    """
+
+    def __init__(self, words: list[str]) -> None:
+        self.size = len(words)
+        self.distinct = list(dict.fromkeys(words))
+        # dict(zip(...)) and map(__getitem__) keep the id assignment in C (a setdefault generator is 10x slower).
+        vocab = dict(zip(self.distinct, range(len(self.distinct)), strict=True))
+        self.ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=self.size)
+        distinct_lens = np.fromiter(map(len, self.distinct), dtype=np.int64, count=len(self.distinct))
+        self.lens = distinct_lens[self.ids]
+        self.total_chars = int(self.lens.sum())
+        self.joined = " ".join(self.distinct)
+
+    def count_matching(self, token: re.Pattern[str]) -> int:
+        """Occurrences of the words that ``token`` matches whole (its matches are whole words, by its lookarounds)."""
+        matched = set(token.findall(self.joined))
+        if not matched:
+            return 0
+        hits = np.fromiter(map(matched.__contains__, self.distinct), dtype=bool, count=len(self.distinct))
+        return int(np.bincount(self.ids, minlength=len(self.distinct))[hits].sum())
+
+
+def _ngram_repetition(words: _Words) -> dict[str, float]:
     """Gopher's n-gram repetition fractions, over the characters of whitespace-split words.
 
     * ``top_{n}gram_char_frac`` (n=2..4): occurrences x characters of the most frequent n-gram (0 unless it
@@ -380,53 +409,50 @@ def _ngram_repetition(words: list[str]) -> dict[str, float]:
 
     Vectorised with numpy: each n-gram gets an exact integer id by pairing the (n-1)-gram id with the next
     word id and re-densifying with ``np.unique``, so there are no hash collisions and no Python loop over
-    positions (14x faster than a Counter of tuples on long pages, which dominate the cost).
+    positions (14x faster than a Counter of tuples on long pages, which dominate the cost). Only positions whose
+    (n-1)-gram repeats are carried to n: an n-gram that occurs twice starts with an (n-1)-gram that does, so the
+    others cannot change a count that matters, and each longer n sorts fewer keys.
     """
     out = {f"top_{n}gram_char_frac": 0.0 for n in _TOP_NS} | {f"dup_{n}gram_char_frac": 0.0 for n in _DUP_NS}
-    size = len(words)
-    # dict.fromkeys + map(__getitem__) keeps word-id assignment in C (a setdefault generator is 10x slower).
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=size)
-    lens = np.fromiter(map(len, words), dtype=np.int64, count=size)
-    total = int(lens.sum())
+    size, ids, lens, total = words.size, words.ids, words.lens, words.total_chars
     if not total:
         return out
     cum = np.concatenate(([0], np.cumsum(lens)))
-    n_vocab = len(vocab)
-    gram_ids = ids
+    n_vocab = len(words.distinct)
+    # Level 1: the words that occur more than once, where every repeated n-gram starts.
+    starts = np.flatnonzero(np.bincount(ids, minlength=n_vocab)[ids] > 1)
+    gram_ids = ids[starts]
     for n in range(2, _DUP_NS[-1] + 1):
-        m = size - n + 1
-        if m <= 0:
+        fits = starts <= size - n
+        starts, gram_ids = starts[fits], gram_ids[fits]
+        if starts.size < 2:
             break
         # Ids stay < size, so the pair key stays < size * n_vocab: exact in int64 for any realistic page.
-        key = gram_ids[:m] * n_vocab + ids[n - 1 :]
+        key = gram_ids * n_vocab + ids[starts + n - 1]
         _, gram_ids, counts = np.unique(key, return_inverse=True, return_counts=True)
-        top = int(counts.max())
-        if top <= 1:
+        pos_counts = counts[gram_ids]
+        repeated = pos_counts > 1
+        if not repeated.any():
             # No repeated n-gram means no repeated longer n-gram either: the rest stay 0.
             break
-        pos_counts = counts[gram_ids]
         if n in _TOP_NS:
-            chars = cum[n : n + m] - cum[:m]
-            best = int(chars[pos_counts == top].max())
+            top = int(counts.max())
+            at_top = starts[pos_counts == top]
+            best = int((cum[at_top + n] - cum[at_top]).max())
             # Overlapping occurrences ("a a a") can count characters twice; cap at the whole document.
             out[f"top_{n}gram_char_frac"] = min(1.0, top * best / total)
-        else:
+        starts, gram_ids = starts[repeated], gram_ids[repeated]
+        if n in _DUP_NS:
             # Mark every word covered by a repeated n-gram via a difference array over start positions.
-            starts = (pos_counts > 1).astype(np.int32)
-            edges = np.zeros(size + 1, dtype=np.int32)
-            edges[:m] += starts
-            edges[n : n + m] -= starts
+            edges = np.bincount(starts, minlength=size + 1) - np.bincount(starts + n, minlength=size + 1)
             covered = np.cumsum(edges[:size]) > 0
             out[f"dup_{n}gram_char_frac"] = int(lens[covered].sum()) / total
     return out
 
 
 def _count_sentences(text: str) -> int:
-    count = 0
-    tail = 0
-    for m in _SENTENCE_END.finditer(text):
-        count += 1
+    count, tail = 0, 0
+    for count, m in enumerate(_SENTENCE_END.finditer(text), 1):  # noqa: B007 (the last match's end is used)
         tail = m.end()
     # Trailing text without terminal punctuation is a sentence too.
     if _WORD_CHAR.search(text, tail):
@@ -434,20 +460,19 @@ def _count_sentences(text: str) -> int:
     return count
 
 
-def _gopher_signals(text: str, words: list[str], cfg: GopherConfig) -> dict[str, float | None]:
+def _gopher_signals(text: str, words: _Words, lines: list[str], cfg: GopherConfig) -> dict[str, float | None]:
     sig: dict[str, float | None] = {}
-    n_words = len(words)
+    n_words = words.size
     sig["word_count"] = float(n_words)
-    lines = [s for s in (line.strip() for line in text.split("\n")) if s]
     paras = [s for s in (p.strip() for p in _PARAGRAPH_BREAK.split(text)) if s]
 
-    total_chars = sum(map(len, words))
+    total_chars = words.total_chars
     if n_words:
         sig["mean_word_length"] = total_chars / n_words
         # Gopher checks '#' and ellipses separately against the same bound; the max covers both.
         n_ellipsis = text.count("...") + text.count("…")
         sig["symbol_word_ratio"] = max(text.count("#"), n_ellipsis) / n_words
-        sig["alpha_word_ratio"] = 1.0 - len(_NON_ALPHA_TOKEN.findall(text)) / n_words
+        sig["alpha_word_ratio"] = 1.0 - words.count_matching(_NON_ALPHA_TOKEN) / n_words
     else:
         sig["mean_word_length"] = sig["symbol_word_ratio"] = sig["alpha_word_ratio"] = None
     if lines:
@@ -457,7 +482,7 @@ def _gopher_signals(text: str, words: list[str], cfg: GopherConfig) -> dict[str,
         sig["bullet_line_ratio"] = sig["ellipsis_line_ratio"] = None
     pattern = _word_alternation(cfg.stop_words)
     # The paper asks for "at least two of the following words": distinct words, not occurrences.
-    found = {m.lower() for m in pattern.findall(text)} if pattern else set()
+    found = {m.lower() for m in pattern.findall(words.joined)} if pattern else set()
     sig["stop_word_count"] = float(len(found))
 
     sig["dup_line_frac"], sig["dup_line_char_frac"] = _dup_fracs(lines)
@@ -472,16 +497,27 @@ def _gopher_signals(text: str, words: list[str], cfg: GopherConfig) -> dict[str,
     return sig
 
 
-def _c4_lines(text: str, cfg: C4Config) -> tuple[float | None, str, list[str]]:
-    """(removed fraction of non-blank lines, line-filtered text, stripped kept lines)."""
+class _C4Lines(NamedTuple):
+    removed: float | None  # the fraction of non-blank lines removed
+    text: str  # the line-filtered text
+    lines: list[str]  # its non-blank lines, stripped
+    words: int  # its whitespace-delimited words
+
+
+def _c4_lines(text: str, raw_lines: list[str], stripped: list[str], cfg: C4Config) -> _C4Lines:
     policy = _substring_alternation(cfg.policy_substrings)
+    # A line holds a phrase only if the whole text does (lowercasing is per character, and the lines' edges are
+    # whitespace in both): one search of the text spares most documents a lowercase copy and a search per line.
+    lower_text = text.lower() if policy is not None or cfg.remove_javascript_lines else ""
+    javascript = cfg.remove_javascript_lines and "javascript" in lower_text
+    if policy is not None and not policy.search(lower_text):
+        policy = None
     punct = tuple(cfg.terminal_punctuation)
     min_words = cfg.min_words_per_line
     kept_raw: list[str] = []
     kept: list[str] = []
-    total = 0
-    for line in text.split("\n"):
-        s = line.strip()
+    total = kept_words = 0
+    for line, s in zip(raw_lines, stripped, strict=True):
         if not s:
             # Keep one blank line between surviving paragraphs so paragraph structure outlives the rewrite.
             if kept_raw and kept_raw[-1]:
@@ -490,38 +526,42 @@ def _c4_lines(text: str, cfg: C4Config) -> tuple[float | None, str, list[str]]:
         total += 1
         if cfg.filter_no_terminal_punct and not s.endswith(punct):
             continue
-        if min_words is not None and len(s.split()) < min_words:
+        n_words = len(s.split())
+        if min_words is not None and n_words < min_words:
             continue
-        lower = s.lower()
-        if cfg.remove_javascript_lines and "javascript" in lower:
-            continue
-        if policy is not None and policy.search(lower):
-            continue
+        if javascript or policy is not None:
+            lower = s.lower()
+            if javascript and "javascript" in lower:
+                continue
+            if policy is not None and policy.search(lower):
+                continue
         kept_raw.append(line)
         kept.append(s)
+        kept_words += n_words
     while kept_raw and not kept_raw[-1]:
         kept_raw.pop()
     removed = (total - len(kept)) / total if total else None
-    return removed, "\n".join(kept_raw), kept
+    return _C4Lines(removed, "\n".join(kept_raw), kept, kept_words)
 
 
-def _c4_signals(text: str, cfg: C4Config) -> tuple[dict[str, float | None], str | None, list[str] | None]:
+def _c4_signals(
+    text: str, raw_lines: list[str], stripped: list[str], cfg: C4Config
+) -> tuple[dict[str, float | None], _C4Lines | None]:
+    """The C4 signals, and the line-filtered text C4 hands on (``None`` when it does not rewrite)."""
     sig: dict[str, float | None] = {
         "c4_has_lorem_ipsum": 1.0 if _LOREM.search(text) else 0.0,
         "c4_has_curly_bracket": 1.0 if "{" in text else 0.0,
     }
-    removed, filtered, kept = _c4_lines(text, cfg)
-    sig["c4_removed_line_ratio"] = removed
+    filtered = _c4_lines(text, raw_lines, stripped, cfg)
+    sig["c4_removed_line_ratio"] = filtered.removed
     if cfg.filter_lines:
-        sig["c4_sentence_count"] = float(_count_sentences(filtered))
-        return sig, filtered, kept
+        sig["c4_sentence_count"] = float(_count_sentences(filtered.text))
+        return sig, filtered
     sig["c4_sentence_count"] = float(_count_sentences(text))
-    return sig, None, None
+    return sig, None
 
 
-def _fineweb_signals(text: str, lines: list[str] | None, cfg: FineWebConfig) -> dict[str, float | None]:
-    if lines is None:
-        lines = [s for s in (line.strip() for line in text.split("\n")) if s]
+def _fineweb_signals(text: str, lines: list[str], n_words: int, cfg: FineWebConfig) -> dict[str, float | None]:
     if not lines:
         return {
             "fineweb_line_punct_ratio": None,
@@ -531,7 +571,6 @@ def _fineweb_signals(text: str, lines: list[str] | None, cfg: FineWebConfig) -> 
         }
     punct = tuple(cfg.terminal_punctuation)
     n = len(lines)
-    n_words = len(text.split())
     return {
         "fineweb_line_punct_ratio": sum(1 for s in lines if s.endswith(punct)) / n,
         "fineweb_short_line_ratio": sum(1 for s in lines if len(s) < cfg.short_line_length) / n,
@@ -541,20 +580,30 @@ def _fineweb_signals(text: str, lines: list[str] | None, cfg: FineWebConfig) -> 
 
 
 def _analyze(text: str, config: QualityConfig) -> tuple[dict[str, float | None], str | None]:
-    """All signals, plus the C4 line-filtered text (``None`` when C4 does not rewrite)."""
+    """All signals, plus the C4 line-filtered text (``None`` when C4 does not rewrite).
+
+    The text is split into lines and words once, and every family reads those."""
     sig: dict[str, float | None] = dict.fromkeys(QUALITY_SIGNALS)
+    raw_lines = text.split("\n")
+    stripped = [line.strip() for line in raw_lines]
+    lines = [s for s in stripped if s]
+    words: _Words | None = None
     if config.gopher.enabled:
         # str.split(): C-speed, and Gopher's rules are defined over whitespace-delimited words; this stage
         # only sees space-delimited (English) text after language id.
-        sig.update(_gopher_signals(text, text.split(), config.gopher))
-    filtered: str | None = None
-    fw_lines: list[str] | None = None
+        words = _Words(text.split())
+        sig.update(_gopher_signals(text, words, lines, config.gopher))
+    filtered: _C4Lines | None = None
     if config.c4.enabled:
-        c4_sig, filtered, fw_lines = _c4_signals(text, config.c4)
+        c4_sig, filtered = _c4_signals(text, raw_lines, stripped, config.c4)
         sig.update(c4_sig)
     if config.fineweb.enabled:
-        sig.update(_fineweb_signals(filtered if filtered is not None else text, fw_lines, config.fineweb))
-    return sig, filtered
+        if filtered is not None:
+            sig.update(_fineweb_signals(filtered.text, filtered.lines, filtered.words, config.fineweb))
+        else:
+            n_words = words.size if words is not None else len(text.split())
+            sig.update(_fineweb_signals(text, lines, n_words, config.fineweb))
+    return sig, filtered.text if filtered is not None else None
 
 
 def quality_signals(text: str, config: QualityConfig) -> dict[str, float | None]:
