@@ -20,7 +20,8 @@ datatrove  datatrove 0.10 in a subprocess, also timed from process start: WarcRe
            Gopher/C4/FineWeb filters -> JsonlWriter -> MinhashDedupSignature (tasks = workers = W, so each worker
            loads spaCy and fastText about once), MinhashDedupBuckets, MinhashDedupCluster, then JsonlReader ->
            MinhashDedupFilter -> DocumentTokenizer (tasks = W).
-rss        driver peak RSS of ``python -m pipeline run`` on 1x and 8x input (Ray workers not counted).
+rss        how a ``python -m pipeline run`` grows from 1x to 8x input: wall, stage worker-seconds, the driver's peak RSS
+           (getrusage in that process) and each dedup index shard's peak RSS (its actor process, sampled by psutil).
 minhash    ``deduplicate()`` with exact dedup off on a planted set (real texts + edited variants, no exact copies,
            near-misses at Jaccard 0.5-0.75 included) for ``minhash.verify`` = none / signature / jaccard, against
            the exact Jaccard of the word n-gram sets of every pair: set and scores from ``pipeline.dedup_eval``.
@@ -49,9 +50,11 @@ from pipeline_bench_common import (
     DEMO_CONFIG,
     SAMPLE_DIR,
     WARC_SUFFIXES,
+    docs_into_dedup,
     fmt_spread,
     log,
     mb,
+    stage_seconds,
 )
 from pipeline_bench_inputs import (
     debian_set,
@@ -177,7 +180,7 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
             + f"; floor {fmt_spread([size / f['wall_s'] for f in floor], 1)} MB/s"
         )
     if ours:
-        stage_s = [sum(s["seconds"] for s in o["report"]["stages"]) for o in ours]
+        stage_s = [stage_seconds(o["report"]) for o in ours]
         eff = [s / (o["wall_s"] * w) for s, o in zip(stage_s, ours, strict=True)]
         eff_rep = [s / (o["report"]["throughput"]["wall_seconds"] * w) for s, o in zip(stage_s, ours, strict=True)]
         startup = [o["wall_s"] - o["report"]["throughput"]["wall_seconds"] for o in ours]
@@ -225,19 +228,30 @@ def render(args, command: str, inp: dict, rounds: list[dict], rss: dict | None, 
         k = rss["factor"]
         out += [
             "",
-            f"### Driver peak RSS, 1x vs {k}x input (`python -m pipeline run`, driver process only)",
+            f"### Driver peak RSS, 1x vs {k}x input, and how the rest grows (`python -m pipeline run`)",
             "",
-            "| input | files | MB | records in | driver peak RSS MiB | run wall s |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| input | files | MB | records in | docs into dedup | run wall s | stage worker-s | driver peak RSS MiB "
+            "| index shards | largest shard peak RSS MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, r in (("1x", rss["1x"]), (f"{k}x", rss["kx"])):
             rep = r["report"]
             out.append(
-                f"| {label}: {r['label']} | {r['files']} | {mb(r['bytes']):,.1f} | "
-                f"{rep['input']['records']:,} | {r['maxrss_kb'] / 1024:,.0f} | {r['wall_s']:.1f} |"
+                f"| {label}: {r['label']} | {r['files']} | {mb(r['bytes']):,.1f} | {rep['input']['records']:,} | "
+                f"{docs_into_dedup(rep):,} | {r['wall_s']:.1f} | {stage_seconds(rep):.1f} | "
+                f"{r['maxrss_kb'] / 1024:,.0f} | {len(r['shard_peak_rss'])} | "
+                f"{max(r['shard_peak_rss'], default=0) / 2**20:,.0f} |"
             )
-        ratio = rss["kx"]["maxrss_kb"] / rss["1x"]["maxrss_kb"]
+        small, big = rss["1x"], rss["kx"]
+        ratio = big["maxrss_kb"] / small["maxrss_kb"]
         out += ["", f"**Driver peak RSS {k}x / 1x: {ratio:.2f}** (target <= 1.3). {rss['note']}"]
+        ratios = [
+            ("run wall", big["wall_s"] / small["wall_s"]),
+            ("stage worker-seconds", stage_seconds(big["report"]) / stage_seconds(small["report"])),
+        ]
+        if small["shard_peak_rss"] and big["shard_peak_rss"]:
+            ratios.append(("largest index shard's peak RSS", max(big["shard_peak_rss"]) / max(small["shard_peak_rss"])))
+        out.append(f"{k}x / 1x: " + "; ".join(f"{name} {value:.2f}" for name, value in ratios) + ".")
 
     if mh is not None:
         from pipeline.dedup_eval import EDIT_RATES

@@ -40,3 +40,13 @@ def fmt_spread(values: list[float], digits: int = 2, suffix: str = "") -> str:
     if len(values) == 1:
         return f"{m:,.{digits}f}{suffix}"
     return f"{m:,.{digits}f}{suffix} [{q1:,.{digits}f}–{q3:,.{digits}f}]"
+
+
+def stage_seconds(report: dict) -> float:
+    """A run's stage worker-seconds (its report.json): every stage's seconds, summed over its workers."""
+    return sum(s["seconds"] for s in report["stages"])
+
+
+def docs_into_dedup(report: dict) -> int:
+    """The documents a run's report.json counts into the dedup stages (0 when dedup is off)."""
+    return next((s["docs_in"] for s in report["stages"] if s["name"] == "dedup_exact"), 0)

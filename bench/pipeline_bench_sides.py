@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -81,8 +82,39 @@ LIKE_FOR_LIKE = (
 )
 
 
+class ShardRss:
+    """Peak RSS of each dedup index shard (a Ray actor process, titled ``ray::BucketIndex...``) while a run goes on:
+    psutil reads every process's title and RSS every ``interval_s``, in a thread. A peak is a sampled one, so a spike
+    shorter than the interval can be missed; the shards' memory grows over seconds, batch by batch."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ShardRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+                cmdline, memory = proc.info["cmdline"], proc.info["memory_info"]
+                if cmdline and memory and cmdline[0].startswith("ray::BucketIndex"):
+                    self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), memory.rss)
+            self._stop.wait(self.interval_s)
+
+
 def run_ours(input_dir: Path, out_dir: Path, config: Path, workers: int, log_path: Path) -> dict:
-    """One ``python -m pipeline run`` from process start to exit; returns wall, driver peak RSS and report."""
+    """One ``python -m pipeline run`` from process start to exit; returns wall, driver peak RSS, the dedup index
+    shards' peak RSS (each shard's, in bytes) and the report."""
     result_path = log_path.with_suffix(".rss.json")
     cmd = [
         sys.executable,
@@ -101,7 +133,7 @@ def run_ours(input_dir: Path, out_dir: Path, config: Path, workers: int, log_pat
         "--overwrite",
         *LIKE_FOR_LIKE,
     ]
-    with open(log_path, "wb") as fh:
+    with open(log_path, "wb") as fh, ShardRss() as shards:
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT, check=False)
         wall = time.perf_counter() - t0
@@ -111,7 +143,12 @@ def run_ours(input_dir: Path, out_dir: Path, config: Path, workers: int, log_pat
         )
     rss = json.loads(result_path.read_text())
     report = json.loads((out_dir / "report.json").read_text())
-    return {"wall_s": wall, "maxrss_kb": rss["maxrss_kb"], "report": report}
+    return {
+        "wall_s": wall,
+        "maxrss_kb": rss["maxrss_kb"],
+        "shard_peak_rss": sorted(shards.peaks.values()),
+        "report": report,
+    }
 
 
 def bands_rows(config_path: Path) -> tuple[int, int]:

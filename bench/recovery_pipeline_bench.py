@@ -72,6 +72,7 @@ import pyarrow.fs as pafs
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the cluster fixture, the sample copies, the bucket upload
+sys.path.insert(0, str(REPO / "bench"))  # what the pipeline benches share, when a test loads this file
 
 from conftest import SAMPLE, sample_copies  # noqa: E402
 from multinode import (  # noqa: E402
@@ -83,6 +84,7 @@ from multinode import (  # noqa: E402
     stored_output,
     wait_for,
 )
+from pipeline_bench_common import docs_into_dedup  # noqa: E402
 from remote_servers import upload_dir  # noqa: E402
 
 from ground.storage import Location  # noqa: E402
@@ -282,10 +284,6 @@ def dedup_batches(tasks: list[Any], kill_ms: float) -> dict[str, Any]:
 
 def seconds_after(ms: float | None, kill_ms: float) -> float | None:
     return (ms - kill_ms) / 1000 if ms else None
-
-
-def docs_into_dedup(report: dict) -> int:
-    return next(s["docs_in"] for s in report["stages"] if s["name"] == "dedup_exact")
 
 
 def run_once(

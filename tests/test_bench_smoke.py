@@ -222,6 +222,9 @@ def test_pipeline_bench_smoke_every_section(tmp_path, html_tree):
     rss = data["rss"]
     assert rss["1x"]["maxrss_kb"] > 0 and rss["kx"]["files"] == 2 * rss["1x"]["files"]
     assert rss["kx"]["report"]["input"]["records"] == 2 * report["input"]["records"]
+    # The dedup index shards' own processes were found and measured while the 2x run went on.
+    assert rss["kx"]["shard_peak_rss"] and min(rss["kx"]["shard_peak_rss"]) > 20 * 2**20, rss["kx"]["shard_peak_rss"]
+    assert "2x / 1x: run wall " in out and "stage worker-seconds " in out, out
     mh = data["minhash"]
     assert mh["near_miss"] > 0 and mh["truth"] > 0
     assert set(mh["results"]) == {"none", "signature", "jaccard"}
