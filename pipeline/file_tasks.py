@@ -303,6 +303,18 @@ def train_tokenizer_on_kept(paths: RunPaths, items: list[dict], config: Pipeline
     return {"seconds": time.perf_counter() - started}
 
 
+def _in_batch_order(
+    before: pa.Table, before_at: np.ndarray, now: list[Doc], now_at: np.ndarray, schema: pa.Schema
+) -> pa.Table:
+    """One batch's rejected rows in the batch's order: ``before`` (dropped by the filter pass, still Arrow) at
+    positions ``before_at`` and ``now`` (dropped in this pass, as dicts) at ``now_at``, so rejected/ holds the rows
+    in the order the filtered file has them whichever pass dropped them."""
+    if not now:
+        return before
+    merged = pa.concat_tables([before, pa.Table.from_pylist(now, schema=schema)])
+    return merged.take(pa.array(np.argsort(np.concatenate([before_at, now_at]), kind="stable")))
+
+
 @reports_input_errors
 def tokenize_file(
     item: dict,
@@ -331,7 +343,11 @@ def tokenize_file(
     kept = tokens = 0
     stats = KeptTokenStats()
     for batch in _filtered_batches(paths, index):
-        rows = batch.to_pylist()
+        table = pa.Table.from_batches([batch])
+        # The rows the filter pass dropped stay Arrow on their way to rejected/: only the others become Python
+        # dicts for the steps below (on WET, most rows are dropped by language ID or quality, text and all).
+        dropped_before = pc.is_valid(batch.column("reason")).to_numpy(zero_copy_only=False)
+        rows = table.filter(pa.array(~dropped_before)).to_pylist()
         started = time.perf_counter()
         mark(rows)
         seconds["dedup_mark"] += time.perf_counter() - started
@@ -341,9 +357,15 @@ def tokenize_file(
         tokenize(rows)
         seconds["tokenize"] += time.perf_counter() - started
         drops.update((r["stage"], r["reason"]) for r in rows if is_dropped(r) and r["stage"] in TOKENIZE_PASS_STAGES)
-        dropped_rows = [r for r in rows if is_dropped(r)]
-        if dropped_rows:
-            rejected.add(pa.Table.from_pylist(dropped_rows, schema=schemas.filtered))
+        rejected_rows = _in_batch_order(
+            table.filter(pa.array(dropped_before)).cast(schemas.filtered),
+            np.flatnonzero(dropped_before),
+            [r for r in rows if is_dropped(r)],
+            np.flatnonzero(~dropped_before)[[i for i, r in enumerate(rows) if is_dropped(r)]],
+            schemas.filtered,
+        )
+        if rejected_rows.num_rows:
+            rejected.add(rejected_rows)
         for row in rows:
             if not is_dropped(row):
                 writers[row["split"]].add(row)

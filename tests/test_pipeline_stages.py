@@ -216,3 +216,36 @@ def test_resume_refuses_an_eval_set_changed_under_the_same_path(tmp_path):
     items.write_text("Name the author of the novel that begins with a man named Ishmael and a whale.\n")
     with pytest.raises(PipelineInputError, match=r"eval_sets\.trivia\.sha256"):
         PipelineRun(str(SAMPLE), tmp_path / "out", config, resume=True)
+
+
+def test_rejected_rows_keep_the_filtered_files_order_whichever_pass_dropped_them():
+    # The tokenize pass keeps the filter pass's drops as Arrow and turns only the rest into dicts; the rows it drops
+    # itself (duplicates) are merged back in between, where the filtered file has them.
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.file_tasks import _in_batch_order
+
+    schema = pa.schema([("warc_record_id", pa.string()), ("reason", pa.string())])
+    batch = [{"warc_record_id": f"r{i}", "reason": None} for i in range(8)]
+    dropped_before = np.array([i in (0, 3, 4, 7) for i in range(8)])
+    for i in np.flatnonzero(dropped_before):
+        batch[i]["reason"] = "gopher:min_words"
+    table = pa.Table.from_pylist(batch, schema=schema)
+    alive = table.filter(pa.array(~dropped_before)).to_pylist()  # r1 r2 r5 r6
+    alive[1]["reason"] = alive[2]["reason"] = "exact_duplicate"  # r2, r5 dropped in the tokenize pass
+    now = [r for r in alive if r["reason"]]
+    merged = _in_batch_order(
+        table.filter(pa.array(dropped_before)),
+        np.flatnonzero(dropped_before),
+        now,
+        np.flatnonzero(~dropped_before)[[1, 2]],
+        schema,
+    )
+    assert merged["warc_record_id"].to_pylist() == ["r0", "r2", "r3", "r4", "r5", "r7"]
+    before, now_ = "gopher:min_words", "exact_duplicate"
+    assert merged["reason"].to_pylist() == [before, now_, before, before, now_, before]
+    only_before = _in_batch_order(
+        table.filter(pa.array(dropped_before)), np.flatnonzero(dropped_before), [], [], schema
+    )
+    assert only_before["warc_record_id"].to_pylist() == ["r0", "r3", "r4", "r7"]
