@@ -30,12 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from language_prefix import texts_of  # noqa: E402  (the extracted texts of an input, as that bench reads them)
 from spread import median_iqr_text  # noqa: E402  (bench/spread.py, beside this script)
 
-from pipeline.sources import list_inputs  # noqa: E402
 from pipeline.steps import quality  # noqa: E402
 from pipeline.steps.base import is_dropped  # noqa: E402
-from pipeline.steps.extract import read_wet  # noqa: E402
 from pipeline.steps.language import LanguageFilter  # noqa: E402
 
 STEP_FILE = "pipeline/steps/quality.py"
@@ -43,9 +42,7 @@ STEP_FILE = "pipeline/steps/quality.py"
 
 def quality_input(input_dir: str) -> list[dict[str, Any]]:
     """The documents the quality step sees in a run: extracted, then kept by language ID (default config)."""
-    docs: list[dict[str, Any]] = []
-    for f in list_inputs(input_dir):
-        docs += [d for d in read_wet(f.uri) if not is_dropped(d)]
+    docs: list[dict[str, Any]] = [{"text": text} for text in texts_of(input_dir)]
     LanguageFilter()(docs)
     return [{"text": d["text"]} for d in docs if not is_dropped(d)]
 
