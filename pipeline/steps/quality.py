@@ -375,8 +375,8 @@ class _Words:
 
     ``distinct`` holds each word once, in first-occurrence order; ``ids`` maps every position to its word there.
     The regexes that judge words one by one (stop words, non-alphabetic tokens) run over the distinct words joined
-    by spaces instead of over the whole text (~47% of its characters on web text): a word's neighbours in the
-    text are whitespace or an edge, as in the joined string, so each word matches exactly as it did in place.
+    by spaces instead of over the whole text (47% of its characters on the Debian WET pages): a word's neighbours
+    in the text are whitespace or an edge, as in the joined string, so each word matches exactly as it did in place.
     """
 
     def __init__(self, words: list[str]) -> None:
