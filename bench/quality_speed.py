@@ -47,11 +47,9 @@ def quality_input(input_dir: str) -> list[dict[str, Any]]:
     return [{"text": d["text"]} for d in docs if not is_dropped(d)]
 
 
-def load_step(source: str, label: str) -> ModuleType:
-    """The quality module from ``source`` (its text), importable beside this tree's under its own name."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"quality_{label}", f.name)
+def load_step(path: Path, label: str) -> ModuleType:
+    """The quality module at ``path``, importable beside this tree's under its own name."""
+    spec = importlib.util.spec_from_file_location(f"quality_{label}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pydantic look their module up by name
@@ -59,11 +57,15 @@ def load_step(source: str, label: str) -> ModuleType:
     return module
 
 
-def source_at(rev: str) -> str:
+def step_at(rev: str) -> ModuleType:
+    """The quality module of git revision ``rev``, from a temporary copy that is removed once it is loaded."""
     proc = subprocess.run(["git", "show", f"{rev}:{STEP_FILE}"], cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"quality_speed: --against {rev}: git cannot show {STEP_FILE} there: {proc.stderr.strip()}")
-    return proc.stdout
+    with tempfile.TemporaryDirectory(prefix="quality-speed-") as tmp:
+        copy_path = Path(tmp) / "quality.py"
+        copy_path.write_text(proc.stdout)
+        return load_step(copy_path, "against")
 
 
 def timed(module: ModuleType, docs: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
@@ -89,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"quality_speed: no document of {args.input} reaches the quality step")
     sides: dict[str, ModuleType] = {"this tree": quality}
     if args.against:
-        sides[args.against] = load_step(source_at(args.against), "against")
+        sides[args.against] = step_at(args.against)
     elif args.against_file:
         path = Path(args.against_file)
         if not path.is_file():
             raise SystemExit(f"quality_speed: --against-file {path}: no such file")
-        sides[str(path)] = load_step(path.read_text(), "against")
+        sides[str(path)] = load_step(path, "against")
     names = list(sides)
     for module in sides.values():
         timed(module, docs[:20])  # regexes compiled and caches filled outside the timings

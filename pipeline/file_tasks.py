@@ -363,12 +363,15 @@ def tokenize_file(
         started = time.perf_counter()
         tokenize(rows)
         seconds["tokenize"] += time.perf_counter() - started
-        drops.update((r["stage"], r["reason"]) for r in rows if is_dropped(r) and r["stage"] in TOKENIZE_PASS_STAGES)
+        dropped_now = [i for i, r in enumerate(rows) if is_dropped(r)]
+        drops.update(
+            (rows[i]["stage"], rows[i]["reason"]) for i in dropped_now if rows[i]["stage"] in TOKENIZE_PASS_STAGES
+        )
         rejected_rows = _in_batch_order(
             table.filter(pa.array(dropped_before)).cast(schemas.filtered),
             np.flatnonzero(dropped_before),
-            [r for r in rows if is_dropped(r)],
-            np.flatnonzero(~dropped_before)[[i for i, r in enumerate(rows) if is_dropped(r)]],
+            [rows[i] for i in dropped_now],
+            np.flatnonzero(~dropped_before)[dropped_now],
             schemas.filtered,
         )
         if rejected_rows.num_rows:

@@ -387,6 +387,7 @@ class _Words:
         self.ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=self.size)
         distinct_lens = np.fromiter(map(len, self.distinct), dtype=np.int64, count=len(self.distinct))
         self.lens = distinct_lens[self.ids]
+        self.counts = np.bincount(self.ids, minlength=len(self.distinct))  # occurrences of each distinct word
         self.total_chars = int(self.lens.sum())
         self.joined = " ".join(self.distinct)
 
@@ -396,7 +397,7 @@ class _Words:
         if not matched:
             return 0
         hits = np.fromiter(map(matched.__contains__, self.distinct), dtype=bool, count=len(self.distinct))
-        return int(np.bincount(self.ids, minlength=len(self.distinct))[hits].sum())
+        return int(self.counts[hits].sum())
 
 
 def _ngram_repetition(words: _Words) -> dict[str, float]:
@@ -420,7 +421,7 @@ def _ngram_repetition(words: _Words) -> dict[str, float]:
     cum = np.concatenate(([0], np.cumsum(lens)))
     n_vocab = len(words.distinct)
     # Level 1: the words that occur more than once, where every repeated n-gram starts.
-    starts = np.flatnonzero(np.bincount(ids, minlength=n_vocab)[ids] > 1)
+    starts = np.flatnonzero(words.counts[ids] > 1)
     gram_ids = ids[starts]
     for n in range(2, _DUP_NS[-1] + 1):
         fits = starts <= size - n
