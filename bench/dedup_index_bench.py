@@ -13,7 +13,8 @@ exact key, signature and sketch), half near copies (the same signature, 95% of t
 Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands and exact keys of
 every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the pipeline's own
 ``DedupConfig``, ``DedupKeys.band_keys``, ``BucketIndex`` and ``resolve_clusters``, in batches of ``--batch``
-documents. Sizes alternate their order from round to round.
+documents, with the environment the executor gives its shard actors (``SHARD_PROCESS_ENV``; ``--default-malloc``
+leaves it out, to measure what it buys). Sizes alternate their order from round to round.
 
 Reported per size, median [IQR] over rounds: the process's RSS before the first document (Python, numpy and the
 index's code), its RSS once every document is added (the index as built: what the spill files bound), its peak RSS
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -45,7 +47,13 @@ sys.path.insert(0, str(REPO))
 from spread import median_iqr_text  # noqa: E402
 
 from pipeline.steps.dedup import DedupConfig, DedupKeys  # noqa: E402
-from pipeline.steps.dedup_index import BucketIndex, InProcess, resolve_clusters, shard_part  # noqa: E402
+from pipeline.steps.dedup_index import (  # noqa: E402
+    SHARD_PROCESS_ENV,
+    BucketIndex,
+    InProcess,
+    resolve_clusters,
+    shard_part,
+)
 
 
 def rss_bytes() -> int:
@@ -167,10 +175,15 @@ def run_size(args: argparse.Namespace, docs: int) -> dict:
     ]
     if args.spill_dir:
         cmd += ["--spill-dir", args.spill_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = os.environ if args.default_malloc else {**os.environ, **SHARD_PROCESS_ENV}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"the {docs:,}-document run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
+
+
+MALLOC_DEFAULTS = "glibc's malloc defaults (--default-malloc)"
+MALLOC_SHARD = f"the shard actors' malloc setting ({' '.join(f'{k}={v}' for k, v in SHARD_PROCESS_ENV.items())})"
 
 
 def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespace) -> str:
@@ -178,7 +191,9 @@ def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespac
         f"### Dedup index, one shard of {args.shards}: memory, time and disk as the corpus grows",
         "",
         f"{args.sketch_hashes}-hash sketches (`verify: jaccard`), 128-permutation signatures, 20 bands × 6 rows, "
-        f"{args.dup_share:.0%} planted copies; median [IQR] over {args.rounds} round(s).",
+        f"{args.dup_share:.0%} planted copies; "
+        f"{MALLOC_DEFAULTS if args.default_malloc else MALLOC_SHARD}; "
+        f"median [IQR] over {args.rounds} round(s).",
         "",
         "| documents | RSS before the first document, MB | RSS with every document added, MB | peak RSS, MB "
         "| add, µs/doc | finalize + resolve, µs/doc | spilled, KB/doc | planted copies found | drops not planted |",
@@ -220,6 +235,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="documents per add() call (one task's batch)")
     parser.add_argument("--sketch-hashes", type=int, default=400)
     parser.add_argument("--dup-share", type=float, default=0.01)
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="run each size without the shard actors' allocator setting (SHARD_PROCESS_ENV), to measure it",
+    )
     parser.add_argument("--spill-dir", default=None, help="dedup.spill_dir (default: the system's temp dir)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "dedup_index")
     parser.add_argument("--smoke", action="store_true", help="2,000 and 8,000 documents, 1 round")

@@ -7,12 +7,14 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from pipeline.steps import dedup_index
 from pipeline.steps.dedup import DedupConfig, DedupKeys, doc_key, keyed_batch
 from pipeline.steps.dedup_index import (
     SPILL_PREFIX,
@@ -93,10 +95,12 @@ def test_decisions_do_not_depend_on_the_partitions_and_a_retried_batch_changes_n
         assert shard_decisions(corpus, config, repeat=2) == reference
 
 
-def test_the_index_is_on_disk_until_it_finalizes_then_gone(ccnet_texts, tmp_path: Path) -> None:
+def test_the_index_is_on_disk_until_it_finalizes_its_edges_keys_until_resolved_then_gone(
+    ccnet_texts, tmp_path: Path
+) -> None:
     config = DedupConfig(num_index_actors=1, spill_dir=str(tmp_path))
     keys = DedupKeys(config)
-    texts = ccnet_texts[:20]
+    texts = ccnet_texts[:18] + ccnet_texts[:2]  # two exact copies: edges whose nodes' keys wait on disk
     exact, sigs, sketches = zip(*(keys.keys(t) for t in texts), strict=True)
     batch = keyed_batch(config, [f"id-{i}" for i in range(20)], list(exact), np.stack(sigs), list(sketches))
     shard = BucketIndex(0, config)
@@ -106,8 +110,22 @@ def test_the_index_is_on_disk_until_it_finalizes_then_gone(ccnet_texts, tmp_path
     entries = 20 * (config.minhash.bands * 16 + 24)  # (band key, position) per band; (16-byte digest, position)
     assert shard.spilled_bytes() >= sketch_bytes + entries
     assert shard.size() == {"minhash": 20, "exact": 20}
-    shard.finalize()
-    assert not shard.spill_dir.exists() and shard.get_stats()["spilled_bytes"] >= sketch_bytes + entries
+    left_after_finalize: dict[str, int] = {}
+
+    class Watching(InProcess):
+        def each(self, shards: Sequence, method: str, args: Sequence[tuple], num_returns: int = 1) -> list:
+            results = super().each(shards, method, args, num_returns)
+            if method == "finalize":
+                left_after_finalize.update({p.name: p.stat().st_size for p in shard.spill_dir.iterdir()})
+            return results
+
+    resolve_clusters([shard], Watching())
+    assert shard.get_stats()["spilled_bytes"] >= sketch_bytes + entries
+    # Once verified, the documents and buckets are gone; each kind's node keys stay until the clusters are
+    # resolved: 4 nodes, 5 bytes wide ("id-18").
+    assert left_after_finalize == {"nodes-exact.keys": 4 * 5, "nodes-near.keys": 4 * 5}
+    assert not shard.spill_dir.exists()
+    assert shard.decisions() == {"id-18": ("dedup_exact", "id-0"), "id-19": ("dedup_exact", "id-1")}
 
     stopped = BucketIndex(1, config)  # a pass that failed before finalizing: the executor closes its shards
     stopped.add(**shard_part(batch, 0, 1))
@@ -182,3 +200,39 @@ def test_a_label_longer_than_a_shards_own_keys_reaches_it_whole() -> None:
     resolve_clusters(shards, InProcess())
     decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
     assert decisions == {key_b: ("dedup_minhash", key_a), key_c: ("dedup_minhash", key_a)}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 16])
+def test_each_cluster_keeps_its_lowest_key_whatever_the_chunk_of_keys_read_back(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Keys wait on disk during the propagation and are read back a chunk at a time (a chunk ends where a label
+    begins); clusters span both shards (each owns one of the two bands), so lowest keys cross between them."""
+    monkeypatch.setattr(dedup_index, "_KEY_CHUNK", chunk)
+    rng = random.Random(11)
+    keys = [f"doc-{rng.randrange(10**6):07d}-{'é' * rng.randrange(3)}{i}" for i in range(400)]
+    buckets = [(rng.randrange(260), rng.randrange(260)) for _ in keys]
+    parent = list(range(len(keys)))  # the oracle: union-find over the documents sharing a band's bucket
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    first_in: dict[tuple[int, int], int] = {}
+    for i, pair in enumerate(buckets):
+        for band, bucket in enumerate(pair):
+            j = first_in.setdefault((band, bucket), i)
+            parent[root(i)] = root(j)
+    members = collections.defaultdict(list)
+    for i, key in enumerate(keys):
+        members[root(i)].append(key)
+    expected = {key: ("dedup_minhash", min(group)) for group in members.values() for key in group if key != min(group)}
+    config = DedupConfig(num_index_actors=2, exact={"enabled": False}, minhash={"verify": "none"})
+    shards = [BucketIndex(i, config) for i in range(2)]
+    batch = {"doc_keys": keys, "exact_keys": None, "band_keys": np.array(buckets, np.uint64), "sketches": None}
+    for shard in shards:
+        shard.add(**shard_part(batch, shard.shard_id, 2))
+    resolve_clusters(shards, InProcess())
+    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
+    assert len(expected) > 100 and decisions == expected

@@ -8,22 +8,26 @@ Clusters are the connected components of the edges all shards found. Rather than
 process, each document (graph node) is *owned* by one shard (by a stable hash of its key) and the shards run
 min-label propagation:
 
-1. Each shard sends the keys of its edges' nodes to their owners once; an owner keeps the keys it owns, sorted,
-   and names each node with an integer id (its rank there and the owner's number). From here on the shards hold
-   integers: edges, labels and messages, not Python strings, so what grows with the duplicates stays small.
+1. A shard writes the keys of its edges' nodes to its local disk (``NodeKeys``) and goes on with a 16-byte digest
+   of each (its *name*): a key is ~100 bytes, and held through the propagation it was most of what grows with the
+   duplicates. It sends the names to their owners once (the owner is chosen by the name); an owner keeps the names
+   it owns, sorted, and gives each node an integer id (its rank there and the owner's number). From here on the
+   shards hold integers: edges, labels and messages.
 2. Every round each shard proposes, for the nodes in its edges, the lowest id in their local component; owners
    keep the lowest proposal; shards refresh their view of the labels they use. When no owner's label changes,
    every node's label is the lowest id of its component.
-3. Ids are not in key order, and the kept document is the lowest *key*: each owner sends, for each label, the
-   lowest key among its nodes with that label to the label's owner, which answers with the lowest of them all.
-   An owner then keeps only its duplicates (the nodes whose key is not their cluster's lowest), each with the key
-   kept in its place, and drops that kind's ids, labels and edges.
+3. Ids are not in key order, and the kept document is the lowest *key*: each shard reads its nodes' keys back, a
+   chunk at a time, and sends, for each label, the lowest key among its nodes with that label to the label's
+   owner, which answers with the lowest of them all. Each shard then sends each duplicate of its edges (a node
+   whose key is not its cluster's lowest) to the node's owner, with the key kept in its place; an owner keeps each
+   of its duplicates once, and the kind's ids, labels and edges are dropped.
 
 The coordinator (:func:`resolve_clusters`) only passes references between shards and sums counts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -43,7 +47,7 @@ import pyarrow.parquet as pq
 from ground.storage import Location
 from pipeline.steps.base import Doc
 from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, DedupKeys, MarkDuplicates, doc_key, jaccard, keyed_batch
-from pipeline.steps.dedup_spill import NO_KEYS, DocRecords, Partitions
+from pipeline.steps.dedup_spill import NO_KEYS, DocRecords, NodeKeys, Partitions
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -56,6 +60,14 @@ def owner_of(key: str | bytes, num_shards: int) -> int:
     data = key.encode("utf-8") if isinstance(key, str) else key
     return zlib.crc32(data) % num_shards
 
+
+# The environment of an index shard's process (the executor's actors; bench/dedup_index_bench.py's children). A
+# shard's arrays come and go in phases, each as large as the duplicates; glibc's malloc serves an array up to 32 MB
+# from its heap once one that size has been freed, and a fragmented heap is seldom given back, so the shard's RSS
+# stays at its high-water mark. A fixed threshold maps every array past 128 KB on its own and unmaps it when freed:
+# one shard's peak at 10⁷ synthetic documents was 164 MB against 187 without it (pipeline/README.md, "What the index
+# holds, where"). Other allocators ignore the variable.
+SHARD_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 SPILL_PREFIX = "raylm-dedup-"  # then the shard process's pid: raylm-dedup-<pid>-shard<n>-<random>
 
@@ -105,24 +117,37 @@ def _first_of_runs(ordered: np.ndarray) -> np.ndarray:
 
 
 class _Graph:
-    """One kind's verified edges, as indices into its nodes: their keys until the owners name them, then their
-    ids."""
+    """One kind's verified edges, as indices into its nodes; each node's key on disk (``keys``, in node order), its
+    name (a digest of the key) until the owners give it an id, then its id."""
 
-    def __init__(self, nodes: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        self.nodes, self.a, self.b = nodes, a, b
+    def __init__(self, keys: NodeKeys, names: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        self.keys, self.names, self.a, self.b = keys, names, a, b
         self.ids = np.empty(0, np.int64)
 
 
 class _Owned:
-    """The nodes a shard owns, in key order, with their labels (ids) while the propagation runs. Once each
-    cluster's lowest key is known (``accept``), only the duplicates stay: their keys and the key kept for each."""
+    """The nodes a shard owns while the propagation runs: their names, sorted, and their labels (ids). Once each
+    cluster's lowest key is known (``accept``), only the duplicates stay: their keys, sorted, and the key kept for
+    each."""
 
-    def __init__(self, keys: np.ndarray, labels: np.ndarray) -> None:
-        self.keys, self.labels = keys, labels
-        self.kept = NO_KEYS
+    def __init__(self, names: np.ndarray, labels: np.ndarray) -> None:
+        self.names, self.labels = names, labels
+        self.keys, self.kept = NO_KEYS, NO_KEYS
 
 
-_COMPARE_CHUNK = 1 << 16  # keys compared at a time in accept: a bounded copy, not one more of every key
+_KEY_CHUNK = 1 << 16  # keys read back from disk at a time: a bounded copy, not one more of every key
+
+
+def node_names(keys: np.ndarray) -> np.ndarray:
+    """Each key's 16-byte BLAKE2b digest: what the propagation calls a node. Two of n keys share a name with
+    probability about n²/2^129 (the birthday bound): nil at a crawl's billions, where 64 bits would not be."""
+    # One key at a time: keys.tolist() would hold every key as a Python object at once.
+    return np.fromiter((hashlib.blake2b(key, digest_size=16).digest() for key in keys), "S16", len(keys))
+
+
+def owners_of_names(names: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard that owns each node: its name's first 8 bytes modulo the shard count (every shard agrees)."""
+    return (np.frombuffer(names.tobytes(), "<u8")[::2] % np.uint64(num_shards)).astype(np.int64)
 
 
 def components(size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -175,7 +200,7 @@ class BucketIndex:
         empty = np.empty(0, np.int64)
         self._owned: dict[str, _Owned] = {kind: _Owned(NO_KEYS, empty) for kind in KINDS}
         self._view: dict[str, np.ndarray] = {}
-        self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the keys each shard asks it for
+        self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the names each shard asks it for
         self._asked: dict[str, list[np.ndarray]] = {}  # as asker: which of its nodes it asks each owner for
         self.stats = {
             "exact_seconds": 0.0,
@@ -249,7 +274,8 @@ class BucketIndex:
     def finalize(self) -> int:
         """Verify the candidates of every shared bucket; a member joins the first (lowest-key) verified center.
         Exact keys shared by two or more documents join them to the lowest key. Members are taken in key order,
-        so the edges do not depend on the order documents arrived in. The spill files are removed after."""
+        so the edges do not depend on the order documents arrived in. The documents' and buckets' spill files are
+        removed after; the edges' node keys stay on disk until the clusters are resolved (``claim``)."""
         started = time.perf_counter()
         self.stats["spilled_bytes"] = self.spilled_bytes()
         exact = array("q")  # edges as flat (position, position) pairs
@@ -278,23 +304,33 @@ class BucketIndex:
         near_pairs = np.frombuffer(near, np.int64).reshape(-1, 2)  # each pair once (EDGE_KEPT)
         # An exact duplicate is also a near one.
         self._graphs = self._edge_graphs({"exact": exact_pairs, "near": np.concatenate([exact_pairs, near_pairs])})
-        self.close()
+        self._records.remove()
+        self._bands.remove()
+        self._exact.remove()
         self.stats["verify_seconds"] += time.perf_counter() - started
         return len(self._graphs["near"].a)
 
     def _edge_graphs(self, pairs: dict[str, np.ndarray]) -> dict[str, _Graph]:
-        """Each kind's position pairs as a graph over the positions, each edge once, with the key at each. The
-        keys are read once for every kind, and not sorted here: the owners sort them once (``register``), and
-        give the copies of one document (a retried batch) the same id."""
+        """Each kind's position pairs as a graph over the positions, each edge once, with the key at each (copied
+        from the records to the kind's node keys file, a chunk at a time) and its name. Names are not sorted here:
+        the owners sort them once (``register``), and give the copies of one document (a retried batch) the same
+        id."""
         positions, end_at = np.unique(np.concatenate([p.reshape(-1) for p in pairs.values()]), return_inverse=True)
-        keys = self._records.keys(positions)
         graphs, start = {}, 0
         for kind, kind_pairs in pairs.items():
             ends = np.sort(end_at[start : start + kind_pairs.size].reshape(-1, 2), axis=1)
             start += kind_pairs.size
             used, ends = np.unique(np.unique(ends, axis=0), return_inverse=True)  # each edge once
             ends = ends.reshape(-1, 2)
-            graphs[kind] = _Graph(keys if len(used) == len(keys) else keys[used], ends[:, 0].copy(), ends[:, 1].copy())
+            rows = positions[used]
+            width = self._records.key_width(rows)
+            node_keys = NodeKeys(self.spill_dir / f"nodes-{kind}.keys", width)
+            names = np.empty(len(rows), "S16")
+            for begin in range(0, len(rows), _KEY_CHUNK):
+                keys = self._records.keys(rows[begin : begin + _KEY_CHUNK], width)
+                node_keys.append(keys)
+                names[begin : begin + len(keys)] = node_names(keys)
+            graphs[kind] = _Graph(node_keys, names, ends[:, 0].copy(), ends[:, 1].copy())
         return graphs
 
     def spilled_bytes(self) -> int:
@@ -304,36 +340,37 @@ class BucketIndex:
         return sum(p.stat().st_size for p in self.spill_dir.iterdir()) if self.spill_dir.exists() else 0
 
     def close(self) -> None:
-        """Remove the spill files (the executor calls it before killing a shard that did not finalize)."""
+        """Remove the spill files (the executor calls it before killing a shard that did not resolve; a shard
+        that did has removed them)."""
         self._records.close()
         self._removal()
 
     # ---- min-label propagation (see the module docstring) ----
-    # Keys cross between shards twice: once to name each node (its owner gives it an integer id) and once to name
-    # each cluster's lowest key. Every round in between moves only integer ids.
+    # Names cross between shards once, for the owners to give each node an integer id; keys cross once, for each
+    # cluster's lowest key and the duplicates. Every round in between moves only integer ids.
 
     def requests(self, kind: str, num_shards: int) -> Any:
-        """The keys of this shard's nodes, split by owner: what it asks each owner to name."""
+        """The names of this shard's nodes, split by owner: what it asks each owner to give an id."""
         graph = self._graphs[kind]
-        nodes = graph.nodes
-        owners = np.fromiter((owner_of(n, num_shards) for n in nodes), np.int64, len(nodes))  # no list of keys
+        names = graph.names
+        owners = owners_of_names(names, num_shards)
         # The same nodes are refreshed from the same owners every round.
         self._asked[kind] = [np.flatnonzero(owners == j) for j in range(num_shards)]
-        graph.nodes = NO_KEYS  # the owners keep the keys; this shard goes on with the ids they give (adopt)
-        return _parts([nodes if len(asked) == len(nodes) else nodes[asked] for asked in self._asked[kind]])
+        graph.names = NO_KEYS  # the owners keep the names; this shard goes on with the ids they give (adopt)
+        return _parts([names if len(asked) == len(names) else names[asked] for asked in self._asked[kind]])
 
     def register(self, kind: str, *asked: np.ndarray) -> Any:
-        """As owner: keep the keys the shards ask about, sorted, and answer each shard with their ids. A node's id
-        is its rank among its owner's keys times the shard count plus the owner's number: unique, and its owner is
-        ``id % shards``. Id order is not key order; the lowest key is found after the propagation."""
+        """As owner: keep the names the shards ask about, sorted, and answer each shard with their ids. A node's
+        id is its rank among its owner's names times the shard count plus the owner's number: unique, and its
+        owner is ``id % shards``. Id order is not key order; the lowest key is found after the propagation."""
         num_shards = len(asked)
-        keys = np.concatenate(asked)
-        keys.sort()  # in place: np.unique would hold two more copies of every key
-        first = _first_of_runs(keys)
-        if not first.all():  # a key asked twice (two shards, or a retried batch's copies): one copy
-            keys = keys[first]
-        self._owned[kind] = _Owned(keys, np.arange(len(keys), dtype=np.int64) * num_shards + self.shard_id)
-        self._requests[kind] = [np.searchsorted(keys, a) for a in asked]
+        names = np.concatenate(asked)
+        names.sort()  # in place: np.unique would hold two more copies of every name
+        first = _first_of_runs(names)
+        if not first.all():  # a node asked twice (two shards, or a retried batch's copies): one copy
+            names = names[first]
+        self._owned[kind] = _Owned(names, np.arange(len(names), dtype=np.int64) * num_shards + self.shard_id)
+        self._requests[kind] = [np.searchsorted(names, a) for a in asked]
         return _parts([self._owned[kind].labels[rank] for rank in self._requests[kind]])
 
     def adopt(self, kind: str, *ids: np.ndarray) -> int:
@@ -380,40 +417,89 @@ class BucketIndex:
         return len(view)
 
     def lowest_keys(self, kind: str, num_shards: int) -> Any:
-        """As owner, once the labels are final: for each cluster its nodes are in, the lowest of their keys (keys
-        are sorted, so each label's first node), sent to the owner of the cluster's label."""
-        owned = self._owned[kind]
-        labels, first = np.unique(owned.labels, return_index=True)
-        owner = labels % num_shards
-        return _parts([(labels[owner == j], owned.keys[first[owner == j]]) for j in range(num_shards)])
+        """Once the labels are final (this shard's view of them is): for each label its nodes have, the lowest of
+        their keys, sent to the label's owner. Keys are read back in label order, a chunk of whole labels at a
+        time."""
+        graph, labels = self._graphs[kind], self._view[kind]
+        order = np.argsort(labels, kind="stable")
+        starts = np.flatnonzero(_first_of_runs(labels[order]))  # where each label's nodes begin, in that order
+        sent, lowest = labels[order[starts]], np.empty(len(starts), graph.keys.dtype)
+        begin = 0
+        while begin < len(order):
+            run = int(np.searchsorted(starts, begin + _KEY_CHUNK))  # the chunk ends where a label begins
+            end = int(starts[run]) if run < len(starts) else len(order)
+            rows = order[begin:end]
+            keys, chunk_labels = graph.keys.read(rows), labels[rows]
+            by_key = np.lexsort((keys, chunk_labels))  # labels are already in order: each label's keys sorted
+            first_runs = int(np.searchsorted(starts, begin))
+            lowest[first_runs:run] = keys[by_key[_first_of_runs(chunk_labels[by_key])]]
+            begin = end
+        owner = sent % num_shards
+        return _parts([(sent[owner == j], lowest[owner == j]) for j in range(num_shards)])
 
     def settle(self, kind: str, *lowest: tuple[np.ndarray, np.ndarray]) -> Any:
         """As a label's owner: the lowest key over every shard's lowest, answered to each shard for its labels."""
-        labels = np.concatenate([part[0] for part in lowest])
-        keys = np.concatenate([part[1] for part in lowest])
+        labels = _joined([part[0] for part in lowest])
+        keys = _joined([part[1] for part in lowest])
         order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
         chosen = order[_first_of_runs(labels[order])]  # indexed once: keys[order] would copy every key
+        del order
         labels, keys = labels[chosen], keys[chosen]
         return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
 
-    def accept(self, kind: str, *keys: np.ndarray) -> int:
-        """As owner: keep the nodes that are not their cluster's lowest key (the duplicates), each with the key kept
-        in its place, and drop the rest of this kind's propagation state. Returns how many duplicates it owns."""
-        owned = self._owned[kind]
-        labels = np.unique(owned.labels)  # what lowest_keys sent, grouped as it sent them: by the label's owner
-        labels = np.concatenate([labels[labels % len(keys) == j] for j in range(len(keys))])
-        lowest = np.concatenate(keys)
-        order = np.argsort(labels)
-        kept_at = order[np.searchsorted(labels[order], owned.labels)]  # each node's cluster's lowest key in `lowest`
-        del labels, order
-        owned.labels = np.empty(0, np.int64)
-        for state in (self._graphs, self._view, self._requests, self._asked):  # this kind's propagation is over
-            state.pop(kind, None)
+    def claim(self, kind: str, *lowest: np.ndarray) -> Any:
+        """With each label's lowest key (``lowest``, from each label owner, for the labels sent it): the
+        duplicates among this shard's nodes (a node whose key is not its cluster's lowest), as their keys and the
+        key kept for each, sent to each node's owner. This kind's graph is done with here; once every kind's is,
+        so are the spill files."""
+        num_shards = len(lowest)
+        graph, labels = self._graphs.pop(kind), self._view.pop(kind)
+        self._asked.pop(kind, None)
+        sent = np.unique(labels)  # what lowest_keys sent, grouped as it sent them: by the label's owner
+        sent = np.concatenate([sent[sent % num_shards == j] for j in range(num_shards)])
+        kept_keys = _joined(list(lowest))
+        order = np.argsort(sent)
+        kept_at = order[np.searchsorted(sent[order], labels)]  # each node's cluster's lowest key in kept_keys
+        del sent, order, labels
+        # Two passes over the keys on disk: which nodes are duplicates, then each owner's part filled in place
+        # (a list of chunks joined after would hold every duplicate's keys twice).
+        chunks = [(begin, min(begin + _KEY_CHUNK, len(kept_at))) for begin in range(0, len(kept_at), _KEY_CHUNK)]
         duplicate = np.zeros(len(kept_at), bool)
-        for start in range(0, len(kept_at), _COMPARE_CHUNK):
-            end = start + _COMPARE_CHUNK
-            duplicate[start:end] = lowest[kept_at[start:end]] != owned.keys[start:end]
-        owned.keys, owned.kept = owned.keys[duplicate], lowest[kept_at[duplicate]]
+        for begin, end in chunks:
+            duplicate[begin:end] = graph.keys.read_range(begin, end) != kept_keys[kept_at[begin:end]]
+        owner = graph.ids % num_shards
+        parts = []
+        for j in range(num_shards):
+            mine = duplicate & (owner == j)
+            count = int(mine.sum())
+            keys, kept = np.empty(count, graph.keys.dtype), np.empty(count, kept_keys.dtype)
+            filled = 0
+            for begin, end in chunks:
+                chunk_mine = mine[begin:end]
+                n = int(chunk_mine.sum())
+                if n:
+                    keys[filled : filled + n] = graph.keys.read_range(begin, end)[chunk_mine]
+                    kept[filled : filled + n] = kept_keys[kept_at[begin:end][chunk_mine]]
+                    filled += n
+            parts.append((keys, kept))
+        if not self._graphs:
+            self.close()
+        return _parts(parts)
+
+    def accept(self, kind: str, *claims: tuple[np.ndarray, np.ndarray]) -> int:
+        """As owner: keep each of its duplicates once (several shards' edges, or a retried batch's copies, can
+        hold the same document), in key order, with the key kept in its place, and drop this kind's propagation
+        state. Returns how many duplicates it owns."""
+        self._requests.pop(kind, None)
+        keys = _joined([claim[0] for claim in claims])
+        by_key = np.argsort(keys)  # decision_arrays searches the near duplicates' keys
+        keys = keys[by_key]
+        once = _first_of_runs(keys)  # a document's copies share its key
+        if not once.all():
+            keys, by_key = keys[once], by_key[once]
+        owned = _Owned(NO_KEYS, np.empty(0, np.int64))
+        owned.keys, owned.kept = keys, _joined([claim[1] for claim in claims])[by_key]
+        self._owned[kind] = owned
         return len(owned.keys)
 
     # ---- results ----
@@ -458,6 +544,11 @@ class BucketIndex:
         """What the shard has taken in, in entries: documents with LSH bands here and exact keys here (each on
         the shard's disk until it finalizes, see pipeline/steps/dedup_spill.py)."""
         return {"minhash": self._band_docs, "exact": self._exact.count}
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays end to end; the array itself, not a copy, when there is one."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _parts(parts: list) -> Any:
@@ -506,7 +597,8 @@ def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
                 break
             calls.get(exchange(parts("answer", [(kind,)] * n), "refresh", kind))
         lowest = exchange(parts("lowest_keys", [(kind, n)] * n), "settle", kind, split=True)
-        calls.get(exchange(lowest, "accept", kind))
+        claims = exchange(lowest, "claim", kind, split=True)
+        calls.get(exchange(claims, "accept", kind))
 
 
 def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:

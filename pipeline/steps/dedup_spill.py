@@ -75,20 +75,29 @@ class DocRecords:
             out.append((raw[:key_len].decode("utf-8"), sketch))
         return out
 
-    def keys(self, positions: np.ndarray) -> np.ndarray:
-        """The key of each position as UTF-8 bytes in one numpy byte-string array (see ``NO_KEYS``), filled in
-        place: a list of the keys as Python bytes first would hold each key twice over."""
-        entries = np.empty(len(positions), self._INDEX)
-        for i, pos in enumerate(positions.tolist()):
-            entries[i] = self._entry(pos)
+    def keys(self, positions: np.ndarray, width: int | None = None) -> np.ndarray:
+        """The key of each position as UTF-8 bytes in one numpy byte-string array (see ``NO_KEYS``) ``width``
+        bytes wide (default: the longest key's), filled in place: a list of the keys as Python bytes first would
+        hold each key twice over."""
+        entries = self._entries(positions)
         if not len(entries):
-            return NO_KEYS
-        keys = np.empty(len(entries), f"S{int(entries['key_len'].max())}")
+            return NO_KEYS if width is None else np.empty(0, f"S{width}")
+        keys = np.empty(len(entries), f"S{width or int(entries['key_len'].max())}")
         for i, (offset, key_len) in enumerate(
             zip(entries["offset"].tolist(), entries["key_len"].tolist(), strict=True)
         ):
             keys[i] = os.pread(self._data.fileno(), key_len, offset)
         return keys
+
+    def key_width(self, positions: np.ndarray) -> int:
+        """The longest key's length in bytes among ``positions`` (1 when there are none, as ``NO_KEYS``)."""
+        return max(int(self._entries(positions)["key_len"].max(initial=0)), 1)
+
+    def _entries(self, positions: np.ndarray) -> np.ndarray:
+        entries = np.empty(len(positions), self._INDEX)
+        for i, pos in enumerate(positions.tolist()):
+            entries[i] = self._entry(pos)
+        return entries
 
     def _entry(self, pos: int) -> np.void:
         """A position's (offset, key length, sketch length) from the index file."""
@@ -98,6 +107,12 @@ class DocRecords:
     def close(self) -> None:
         self._data.close()
         self._index.close()
+
+    def remove(self) -> None:
+        """Close and delete both files (verification is over: the shard goes on with its graph)."""
+        self.close()
+        for path in (self._data.name, self._index.name):
+            Path(path).unlink(missing_ok=True)
 
 
 class Partitions:
@@ -148,6 +163,12 @@ class Partitions:
             with open(self._paths[p], "ab") as out:
                 entries[bounds[p] : bounds[p + 1]].tofile(out)
 
+    def remove(self) -> None:
+        """Delete every partition file (after ``groups``: the entries have been read)."""
+        self._pending, self._pending_entries = [], 0
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
     def groups(self) -> Iterator[np.ndarray]:
         """The positions of every key held by two or more entries, at most ``max_sort_entries`` in memory at a
         time."""
@@ -187,3 +208,34 @@ class Partitions:
         ends = np.append(starts[1:], len(keys))
         for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
             yield positions[start:end]
+
+
+class NodeKeys:
+    """One kind's graph-node keys, in node order, in a fixed-width file: the label propagation names nodes by
+    16-byte digests, and only choosing each cluster's lowest key and listing the duplicates read keys back, a chunk
+    of rows at a time (a 100-byte key held through the propagation would be most of what grows with the
+    duplicates)."""
+
+    def __init__(self, path: Path, width: int) -> None:
+        self.path, self.dtype, self.count = path, np.dtype(f"S{width}"), 0
+        path.touch()
+
+    def append(self, keys: np.ndarray) -> None:
+        with open(self.path, "ab") as file:
+            keys.astype(self.dtype, copy=False).tofile(file)
+        self.count += len(keys)
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """The keys at ``rows`` (indices in node order, any order), with positioned reads: pages of a mapped file
+        that a read touches would count as this process's resident memory."""
+        out = np.empty(len(rows), self.dtype)
+        width = self.dtype.itemsize
+        with open(self.path, "rb", buffering=0) as file:
+            for i, row in enumerate(rows.tolist()):
+                out[i] = os.pread(file.fileno(), width, row * width)
+        return out
+
+    def read_range(self, begin: int, end: int) -> np.ndarray:
+        """The keys of rows ``begin`` to ``end`` (exclusive), in one read."""
+        with open(self.path, "rb") as file:
+            return np.fromfile(file, self.dtype, count=end - begin, offset=begin * self.dtype.itemsize)
