@@ -467,21 +467,20 @@ class BucketIndex:
         duplicate = np.zeros(len(kept_at), bool)
         for begin, end in chunks:
             duplicate[begin:end] = graph.keys.read_range(begin, end) != kept_keys[kept_at[begin:end]]
-        owner = graph.ids % num_shards
-        parts = []
-        for j in range(num_shards):
-            mine = duplicate & (owner == j)
-            count = int(mine.sum())
-            keys, kept = np.empty(count, graph.keys.dtype), np.empty(count, kept_keys.dtype)
-            filled = 0
-            for begin, end in chunks:
-                chunk_mine = mine[begin:end]
-                n = int(chunk_mine.sum())
+        owner = np.where(duplicate, graph.ids % num_shards, -1)  # -1: not a duplicate, sent nowhere
+        counts = np.bincount(owner[duplicate], minlength=num_shards)
+        parts = [(np.empty(count, graph.keys.dtype), np.empty(count, kept_keys.dtype)) for count in counts.tolist()]
+        filled = [0] * num_shards
+        for begin, end in chunks:
+            chunk_keys = graph.keys.read_range(begin, end)
+            for j in range(num_shards):
+                mine = owner[begin:end] == j
+                n = int(mine.sum())
                 if n:
-                    keys[filled : filled + n] = graph.keys.read_range(begin, end)[chunk_mine]
-                    kept[filled : filled + n] = kept_keys[kept_at[begin:end][chunk_mine]]
-                    filled += n
-            parts.append((keys, kept))
+                    keys, kept = parts[j]
+                    keys[filled[j] : filled[j] + n] = chunk_keys[mine]
+                    kept[filled[j] : filled[j] + n] = kept_keys[kept_at[begin:end][mine]]
+                    filled[j] += n
         if not self._graphs:
             self.close()
         return _parts(parts)
