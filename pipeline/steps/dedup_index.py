@@ -419,7 +419,9 @@ class BucketIndex:
     def lowest_keys(self, kind: str, num_shards: int) -> Any:
         """Once the labels are final (this shard's view of them is): for each label its nodes have, the lowest of
         their keys, sent to the label's owner. Keys are read back in label order, a chunk of whole labels at a
-        time."""
+        time. As an owner this shard is done with the kind's names and labels: they go."""
+        self._owned[kind] = _Owned(NO_KEYS, np.empty(0, np.int64))
+        self._requests.pop(kind, None)
         graph, labels = self._graphs[kind], self._view[kind]
         order = np.argsort(labels, kind="stable")
         starts = np.flatnonzero(_first_of_runs(labels[order]))  # where each label's nodes begin, in that order
@@ -487,9 +489,8 @@ class BucketIndex:
 
     def accept(self, kind: str, *claims: tuple[np.ndarray, np.ndarray]) -> int:
         """As owner: keep each of its duplicates once (several shards' edges, or a retried batch's copies, can
-        hold the same document), in key order, with the key kept in its place, and drop this kind's propagation
-        state. Returns how many duplicates it owns."""
-        self._requests.pop(kind, None)
+        hold the same document), in key order, with the key kept in its place. Returns how many duplicates it
+        owns."""
         keys = _joined([claim[0] for claim in claims])
         by_key = np.argsort(keys)  # decision_arrays searches the near duplicates' keys
         keys = keys[by_key]
