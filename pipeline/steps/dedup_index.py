@@ -125,14 +125,19 @@ class _Graph:
         self.ids = np.empty(0, np.int64)
 
 
-class _Owned:
-    """The nodes a shard owns while the propagation runs: their names, sorted, and their labels (ids). Once each
-    cluster's lowest key is known (``accept``), only the duplicates stay: their keys, sorted, and the key kept for
-    each."""
+class _Owned(NamedTuple):
+    """The nodes a shard owns while the propagation runs: their names, sorted, and their labels (ids)."""
 
-    def __init__(self, names: np.ndarray, labels: np.ndarray) -> None:
-        self.names, self.labels = names, labels
-        self.keys, self.kept = NO_KEYS, NO_KEYS
+    names: np.ndarray
+    labels: np.ndarray
+
+
+class _Duplicates(NamedTuple):
+    """What a shard keeps of a kind once each cluster's lowest key is known (``accept``): the duplicates it owns,
+    their keys sorted, and the key kept in each one's place."""
+
+    keys: np.ndarray
+    kept: np.ndarray
 
 
 _KEY_CHUNK = 1 << 16  # keys read back from disk at a time: a bounded copy, not one more of every key
@@ -199,6 +204,7 @@ class BucketIndex:
         # Labels of the nodes this shard owns, and of the nodes in its edges.
         empty = np.empty(0, np.int64)
         self._owned: dict[str, _Owned] = {kind: _Owned(NO_KEYS, empty) for kind in KINDS}
+        self._duplicates: dict[str, _Duplicates] = {kind: _Duplicates(NO_KEYS, NO_KEYS) for kind in KINDS}
         self._view: dict[str, np.ndarray] = {}
         self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the names each shard asks it for
         self._asked: dict[str, list[np.ndarray]] = {}  # as asker: which of its nodes it asks each owner for
@@ -420,7 +426,7 @@ class BucketIndex:
         """Once the labels are final (this shard's view of them is): for each label its nodes have, the lowest of
         their keys, sent to the label's owner. Keys are read back in label order, a chunk of whole labels at a
         time. As an owner this shard is done with the kind's names and labels: they go."""
-        self._owned[kind] = _Owned(NO_KEYS, np.empty(0, np.int64))
+        self._owned.pop(kind, None)
         self._requests.pop(kind, None)
         graph, labels = self._graphs[kind], self._view[kind]
         order = np.argsort(labels, kind="stable")
@@ -497,16 +503,14 @@ class BucketIndex:
         once = _first_of_runs(keys)  # a document's copies share its key
         if not once.all():
             keys, by_key = keys[once], by_key[once]
-        owned = _Owned(NO_KEYS, np.empty(0, np.int64))
-        owned.keys, owned.kept = keys, _joined([claim[1] for claim in claims])[by_key]
-        self._owned[kind] = owned
-        return len(owned.keys)
+        self._duplicates[kind] = _Duplicates(keys, _joined([claim[1] for claim in claims])[by_key])
+        return len(keys)
 
     # ---- results ----
 
     def decision_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys, stages, kept keys) of every duplicate this shard owns, as UTF-8 byte-string arrays."""
-        near, exact = self._owned["near"], self._owned["exact"]
+        near, exact = self._duplicates["near"], self._duplicates["exact"]
         # An exact duplicate is a near one too (the near edges include the exact ones, and a key has one owner):
         # it is reported once, as exact.
         at = np.minimum(np.searchsorted(near.keys, exact.keys), max(len(near.keys) - 1, 0))
