@@ -38,7 +38,7 @@ from checkpoints.rng import capture_rng, restore_rng, rng_key
 from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
-from train.determinism import make_deterministic
+from train.determinism import make_deterministic, settle_vector_math
 from train.flops import device_peak_flops, flops_per_token, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.memory import local_memory, memory_fields, state_bytes
@@ -120,6 +120,7 @@ class Trainer(Stateful):
         self.manifest = self.sources[0].manifest
         cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
 
+        settle_vector_math()  # before the optimizer's first step, where a race in MKL would part replicas
         if cfg_par.deterministic:
             make_deterministic(ctx.device)  # before the model's first kernel
         # Same seed on every rank and for every strategy: all replicas (and all shards of FSDP's one
