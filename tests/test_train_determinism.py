@@ -106,8 +106,8 @@ print(torch.equal(split, torch.sqrt(values)))
 def test_a_settled_process_computes_its_first_sqrt_on_two_threads_as_on_one() -> None:
     """Without ``settle_vector_math``, 6 of 30 fresh processes measured here computed the second thread's half of
     their first two-thread sqrt less accurately (up to 3e-4 relative): two DDP replicas parted at AdamW's first
-    step. Eight processes (each pays an interpreter start) catch a regression about two times in three; the
-    cluster's DDP replica check catches the rest."""
+    step. Eight processes (each pays an interpreter start) caught its removal in 2 of 3 runs here; the DDP runs'
+    replica checks (train.trainer.check_replicas) are the other net."""
     outcomes = [
         subprocess.run(
             [sys.executable, "-c", FIRST_SQRT], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
