@@ -13,7 +13,7 @@ exact key, signature and sketch), half near copies (the same signature, 95% of t
 Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands and exact keys of
 every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the pipeline's own
 ``DedupConfig``, ``DedupKeys.band_keys``, ``BucketIndex`` and ``resolve_clusters``, in batches of ``--batch``
-documents, with the environment the executor gives its shard actors (``SHARD_PROCESS_ENV``; ``--default-malloc``
+documents, with the allocator setting the executor gives its shard actors (``fix_mmap_threshold``; ``--default-malloc``
 leaves it out, to measure what it buys). Sizes alternate their order from round to round.
 
 Reported per size, median [IQR] over rounds: the process's RSS before the first document (Python, numpy and the
@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import itertools
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from spread import median_iqr_text  # noqa: E402
 
 from pipeline.steps.dedup import DedupConfig, DedupKeys  # noqa: E402
 from pipeline.steps.dedup_index import (  # noqa: E402
-    SHARD_PROCESS_ENV,
+    SHARD_MMAP_THRESHOLD,
     BucketIndex,
     InProcess,
     resolve_clusters,
@@ -112,7 +111,7 @@ def one_size(args: argparse.Namespace) -> dict:
     """Run one size in this process and return its measurements."""
     config = DedupConfig(num_index_actors=args.shards, spill_dir=args.spill_dir)
     keys = DedupKeys(config)
-    shard = BucketIndex(0, config)
+    shard = BucketIndex(0, config, own_process=not args.default_malloc)
     rss_at_start = rss_bytes()
     # The planted pairs as two number arrays (not a dict of keys: the bench's own memory stays out of the RSS).
     copy_of: list[np.ndarray] = []
@@ -175,15 +174,16 @@ def run_size(args: argparse.Namespace, docs: int) -> dict:
     ]
     if args.spill_dir:
         cmd += ["--spill-dir", args.spill_dir]
-    env = os.environ if args.default_malloc else {**os.environ, **SHARD_PROCESS_ENV}
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if args.default_malloc:
+        cmd.append("--default-malloc")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"the {docs:,}-document run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
 
 
 MALLOC_DEFAULTS = "glibc's malloc defaults (--default-malloc)"
-MALLOC_SHARD = f"the shard actors' malloc setting ({' '.join(f'{k}={v}' for k, v in SHARD_PROCESS_ENV.items())})"
+MALLOC_SHARD = f"the shard actors' malloc setting (mmap threshold {SHARD_MMAP_THRESHOLD} bytes)"
 
 
 def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespace) -> str:
@@ -238,7 +238,7 @@ def main() -> None:
     parser.add_argument(
         "--default-malloc",
         action="store_true",
-        help="run each size without the shard actors' allocator setting (SHARD_PROCESS_ENV), to measure it",
+        help="run each size without the shard actors' allocator setting (fix_mmap_threshold), to measure it",
     )
     parser.add_argument("--spill-dir", default=None, help="dedup.spill_dir (default: the system's temp dir)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "dedup_index")

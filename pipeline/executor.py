@@ -49,7 +49,7 @@ from pipeline.report import KeptTokenStats, StageAccounting, print_summary, rend
 from pipeline.run_inputs import RunInputs, gather_inputs
 from pipeline.sources import InputFile
 from pipeline.staging import RunPaths, RunStaging
-from pipeline.steps.dedup_index import SHARD_PROCESS_ENV, BucketIndex, resolve_clusters
+from pipeline.steps.dedup_index import BucketIndex, resolve_clusters
 from pipeline.steps.perplexity import bucket_cutoffs, merged_histogram
 from pipeline.steps.tokenize import load_tokenizer, token_dtype, tokenizer_from_json
 
@@ -289,10 +289,10 @@ class PipelineRun:
         # Spread over the nodes: one node's loss takes some shards, not the whole index, and no node holds it all.
         # A sliver of a CPU keeps the shards off a head with no CPUs (ray_cluster.yaml): the index's memory belongs
         # on the workers, not on the node that holds the control plane and the job drivers.
-        index = ray.remote(BucketIndex).options(
-            num_cpus=0.01, scheduling_strategy="SPREAD", runtime_env={"env_vars": SHARD_PROCESS_ENV}
-        )
-        shards: list[Any] = [index.remote(i, self.config.dedup) for i in range(self.config.dedup.num_index_actors)]
+        index = ray.remote(BucketIndex).options(num_cpus=0.01, scheduling_strategy="SPREAD")
+        shards: list[Any] = [
+            index.remote(i, self.config.dedup, own_process=True) for i in range(self.config.dedup.num_index_actors)
+        ]
         sizes = IndexSizes(shards, self.metrics)
         try:
             # Not resumable file by file: the index lives in the shards (their memory and local disk), so a resume

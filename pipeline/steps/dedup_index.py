@@ -27,6 +27,7 @@ The coordinator (:func:`resolve_clusters`) only passes references between shards
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -61,13 +62,28 @@ def owner_of(key: str | bytes, num_shards: int) -> int:
     return zlib.crc32(data) % num_shards
 
 
-# The environment of an index shard's process (the executor's actors; bench/dedup_index_bench.py's children). A
+# The allocator setting of an index shard's process (the executor's actors; bench/dedup_index_bench.py's children). A
 # shard's arrays come and go in phases, each as large as the duplicates; glibc's malloc serves an array up to 32 MB
 # from its heap once one that size has been freed, and a fragmented heap is seldom given back, so the shard's RSS
 # stays at its high-water mark. A fixed threshold maps every array past 128 KB on its own and unmaps it when freed:
 # one shard's peak at 10⁷ synthetic documents was 164 MB against 187 without it (pipeline/README.md, "What the index
-# holds, where"). Other allocators ignore the variable.
-SHARD_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# holds, where").
+SHARD_MMAP_THRESHOLD = 131072
+M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+
+
+def fix_mmap_threshold(threshold: int = SHARD_MMAP_THRESHOLD) -> bool:
+    """Set this process's malloc mmap threshold, as ``MALLOC_MMAP_THRESHOLD_`` does at a process's start (a fixed value
+    also ends glibc's raising of it). Called in the shard's own process rather than passed as an environment: a
+    ``runtime_env`` makes Ray start a dedicated worker for each shard, which cost the sample's dedup pass 0.4 s of
+    its 1 s. False, and nothing changed, where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
 
 SPILL_PREFIX = "raylm-dedup-"  # then the shard process's pid: raylm-dedup-<pid>-shard<n>-<random>
 
@@ -183,7 +199,11 @@ class BucketIndex:
     the verified edges, and the labels it owns. Only what is a duplicate (edges, labels) stays in memory, as numpy
     arrays: integer edges and string keys, not Python objects."""
 
-    def __init__(self, shard_id: int, config: DedupConfig) -> None:
+    def __init__(self, shard_id: int, config: DedupConfig, own_process: bool = False) -> None:
+        """``own_process``: the shard runs in a process of its own (the executor's actors, the bench's children), whose
+        allocator it may set (``fix_mmap_threshold``); not in a process it shares, such as a test's."""
+        if own_process:
+            fix_mmap_threshold()  # before the shard's first array
         self.shard_id = shard_id
         self.config = config
         parent = Path(config.spill_dir or tempfile.gettempdir())
