@@ -6,9 +6,10 @@ and 10⁷ synthetic documents.
 
 No text is needed. Each document is a key of realistic size (a record id, its WET file's URI and an offset), a
 random 128-permutation MinHash signature and a sorted set of ``--sketch-hashes`` distinct 64-bit shingle hashes
-(400 is about a median page's distinct 5-grams; the sketch ``verify: jaccard`` stores). A ``--dup-share`` of the
-documents are planted copies of an earlier document of their batch (never of a copy): half exact copies (the same
-exact key, signature and sketch), half near copies (the same signature, 95% of the sketch's hashes: Jaccard ≈ 0.9).
+(400 is about a median page's distinct 5-grams), made into the sketch ``verify: jaccard`` stores (``sketch_of``).
+A ``--dup-share`` of the documents are planted copies of an earlier document of their batch (never of a copy):
+half exact copies (the same exact key, signature and sketch), half near copies (the same signature, 95% of the
+hashes: Jaccard ≈ 0.9).
 
 Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands and exact keys of
 every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the pipeline's own
@@ -45,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from spread import median_iqr_text  # noqa: E402
 
-from pipeline.steps.dedup import DedupConfig, DedupKeys  # noqa: E402
+from pipeline.steps.dedup import DedupConfig, DedupKeys, sketch_of  # noqa: E402
 from pipeline.steps.dedup_index import (  # noqa: E402
     SHARD_MMAP_THRESHOLD,
     BucketIndex,
@@ -97,7 +98,7 @@ def synthetic_batch(
         "doc_keys": doc_keys,
         "exact_keys": [row.tobytes() for row in exact],
         "band_keys": keys.band_keys(signatures),
-        "sketches": sketch_list,
+        "sketches": [sketch_of(sketch) for sketch in sketch_list],  # what DedupKeys.keys gives the index
     }
     return keyed, planted
 

@@ -231,11 +231,11 @@ def index_file(item: dict, paths: RunPaths, shards: list, config: PipelineConfig
     return {"summary": json.dumps({"index": item["index"], "docs": docs, "seconds": time.perf_counter() - started})}
 
 
-def uint64_lists(column: pa.ChunkedArray) -> list[np.ndarray]:
-    """Each row of a list<uint64> column as a numpy view into one flat array: a page's thousands of shingle hashes
-    never become Python ints (``to_pylist`` made one object per hash). A null row is an empty array."""
+def sketch_lists(column: pa.ChunkedArray) -> list[np.ndarray]:
+    """Each row of the list<uint32> sketches column as a numpy view into one flat array: a page's thousands of
+    shingle hashes never become Python ints (``to_pylist`` made one object per hash). A null row is an empty array."""
     lists = column.combine_chunks()
-    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
+    values = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.uint32, copy=False)
     lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
     return np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
@@ -252,7 +252,7 @@ def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
         -1, dedup.minhash.num_perm
     )
     shingle_sets = (
-        uint64_lists(alive["shingles"]) if dedup.minhash.enabled and dedup.minhash.verify == "jaccard" else []
+        sketch_lists(alive["shingles"]) if dedup.minhash.enabled and dedup.minhash.verify == "jaccard" else []
     )
     doc_keys = [doc_key(r) for r in alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()]
     batch = keyed_batch(dedup, doc_keys, alive["exact_key"].to_pylist(), signatures, shingle_sets)

@@ -33,7 +33,7 @@ WORK_FIELDS = [pa.field("tokens", pa.list_(pa.uint32())), pa.field("split", pa.s
 DEDUP_FIELDS = [
     pa.field("exact_key", pa.binary(16)),
     pa.field("signature", pa.binary()),  # MinHash signature, num_perm little-endian uint32
-    pa.field("shingles", pa.list_(pa.uint64())),  # sorted shingle hashes, only when minhash.verify = jaccard
+    pa.field("shingles", pa.list_(pa.uint32())),  # the dedup sketch (sketch_of), only when minhash.verify = jaccard
 ]
 
 

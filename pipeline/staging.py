@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 # 3: the classifier stage (classifier_score column, the model in resources); kept_stats in tokenize markers.
 # 4: the output is built in place, its state under OUTPUT/.staging (was a sibling directory, renamed at the end).
 # 5: the perplexity stage (perplexity and perplexity_bucket columns, the model in resources, histograms in markers).
-STATE_VERSION = 5
+# 6: the shingles column of work/filtered/ holds 32-bit dedup sketches (steps/dedup.py, sketch_of).
+STATE_VERSION = 6
 MANIFEST = "manifest.json"
 STAGING = ".staging"
 

@@ -252,15 +252,15 @@ def test_rejected_rows_keep_the_filtered_files_order_whichever_pass_dropped_them
 
 
 def test_shingle_lists_reach_the_index_as_the_stored_values():
-    # Rows of the persisted list<uint64> shingles, across chunks, after a filter, with an empty and a null row.
+    # Rows of the persisted list<uint32> sketches, across chunks, after a filter, with an empty and a null row.
     import numpy as np
     import pyarrow as pa
 
-    from pipeline.file_tasks import uint64_lists
+    from pipeline.file_tasks import sketch_lists
 
-    rows = [[1, 2, 3], None, [], [2**64 - 1, 7], [5]]
-    column = pa.chunked_array([pa.array(rows[:3], pa.list_(pa.uint64())), pa.array(rows[3:], pa.list_(pa.uint64()))])
+    rows = [[1, 2, 3], None, [], [2**32 - 1, 7], [5]]
+    column = pa.chunked_array([pa.array(rows[:3], pa.list_(pa.uint32())), pa.array(rows[3:], pa.list_(pa.uint32()))])
     kept = pa.table({"shingles": column}).filter(pa.array([True, True, False, True, True]))["shingles"]
-    got = uint64_lists(kept)
-    assert [a.dtype for a in got] == [np.uint64] * 4
-    assert [a.tolist() for a in got] == [[1, 2, 3], [], [2**64 - 1, 7], [5]]
+    got = sketch_lists(kept)
+    assert [a.dtype for a in got] == [np.uint32] * 4
+    assert [a.tolist() for a in got] == [[1, 2, 3], [], [2**32 - 1, 7], [5]]

@@ -112,11 +112,10 @@ def _alive(pid: int) -> bool:
 
 
 class _Member(NamedTuple):
-    """A bucket's document as verification sees it."""
+    """A bucket's document as verification sees it (its sketch is read only if a pair of it needs verifying)."""
 
     key: str
     position: int  # in the shard's records
-    sketch: np.ndarray | None
 
 
 def _pair(a: _Member, b: _Member) -> int:
@@ -215,8 +214,7 @@ class BucketIndex:
         # The directory goes when the shard finalizes or is collected; one killed mid-pass (its node's job killed,
         # the pass retried) leaves it to the next shard started on the node, which removes it.
         self._removal = weakref.finalize(self, shutil.rmtree, self.spill_dir, True)
-        sketch_dtype = np.uint32 if config.minhash.verify == "signature" else np.uint64
-        self._records = DocRecords(self.spill_dir, sketch_dtype)
+        self._records = DocRecords(self.spill_dir, np.uint32)  # a signature or a sketch (sketch_of): 32-bit values
         self._bands = Partitions(self.spill_dir, "band", config.spill_partitions)
         self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
         self._band_docs = 0
@@ -269,7 +267,9 @@ class BucketIndex:
         self.stats["exact_seconds"] += time.perf_counter() - started
         return len(doc_keys)
 
-    def _similar(self, a: _Member, b: _Member, cache: dict[int, int]) -> bool:
+    def _similar(self, a: _Member, b: _Member, cache: dict[int, int], sketches: dict[int, np.ndarray | None]) -> bool:
+        """Whether a candidate pair verifies; ``cache`` holds the pairs verified so far, ``sketches`` the sketches
+        read for the bucket at hand (a member is compared with each center before it)."""
         pair = _pair(a, b)
         known = cache.get(pair)
         if known is not None:
@@ -277,12 +277,17 @@ class BucketIndex:
         mh = self.config.minhash
         if mh.verify == "none":
             hit = True
-        elif a.sketch is None or b.sketch is None:
-            raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
-        elif mh.verify == "jaccard":
-            hit = jaccard(a.sketch, b.sketch) >= mh.threshold
         else:
-            hit = float(np.mean(a.sketch == b.sketch)) >= mh.threshold
+            for member in (a, b):
+                if member.position not in sketches:
+                    sketches[member.position] = self._records.sketch(member.position)
+            sketch_a, sketch_b = sketches[a.position], sketches[b.position]
+            if sketch_a is None or sketch_b is None:
+                raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
+            if mh.verify == "jaccard":
+                hit = jaccard(sketch_a, sketch_b) >= mh.threshold
+            else:
+                hit = float(np.mean(sketch_a == sketch_b)) >= mh.threshold
         cache[pair] = int(hit)
         self.stats["candidates"] += 1
         self.stats["verified"] += hit
@@ -292,9 +297,9 @@ class BucketIndex:
         """A bucket's documents in key order, each key once at its lowest position (a retried batch adds copies;
         the lowest position is the same in every bucket the copies share)."""
         first: dict[str, _Member] = {}
-        for position, (key, sketch) in zip(positions.tolist(), self._records.read(positions), strict=True):
+        for position, key in zip(positions.tolist(), self._records.keys_of(positions), strict=True):
             if key not in first or position < first[key].position:
-                first[key] = _Member(key, position, sketch)
+                first[key] = _Member(key, position)
         return sorted(first.values(), key=lambda member: member.key)
 
     def finalize(self) -> int:
@@ -316,8 +321,9 @@ class BucketIndex:
         near = array("q")
         for positions in self._bands.groups():
             centers: list[_Member] = []
+            sketches: dict[int, np.ndarray | None] = {}
             for member in self._members(positions):
-                center = next((c for c in centers if self._similar(member, c, cache)), None)
+                center = next((c for c in centers if self._similar(member, c, cache, sketches)), None)
                 if center is None:
                     centers.append(member)
                 else:

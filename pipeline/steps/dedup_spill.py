@@ -31,49 +31,63 @@ _NO_SKETCH = 0xFFFFFFFF  # a record's sketch length when the document was added 
 
 
 class DocRecords:
-    """Append-only documents, each a key and a sketch, addressed by position through a fixed-size index file."""
+    """Append-only documents, each a key and a sketch, addressed by position through a fixed-size index file.
 
-    _INDEX = np.dtype([("offset", "<u8"), ("key_len", "<u4"), ("sketch_len", "<u4")])
+    Keys and sketches are in files of their own: verification reads a bucket's keys every time the bucket comes
+    up (a near-duplicate pair shares most of a shard's bands) but a pair's sketches once, and at 10⁷ documents the
+    keys' file is ~1 GB that stays in the page cache where the sketches' 32 GB cannot (reading both from one file,
+    each key read was a page-cache miss: pipeline/README.md, "What the index holds, where")."""
+
+    _INDEX = np.dtype([("key_offset", "<u8"), ("sketch_offset", "<u8"), ("key_len", "<u4"), ("sketch_len", "<u4")])
 
     def __init__(self, directory: Path, sketch_dtype: np.dtype | type) -> None:
         # Unbuffered: every write is in the OS's hands at once, so a read by position right after it sees it.
-        self._data = open(directory / "docs.bin", "wb+", buffering=0)  # noqa: SIM115 (closed by close())
+        self._keys = open(directory / "docs.keys", "wb+", buffering=0)  # noqa: SIM115 (closed by close())
+        self._sketches = open(directory / "docs.sketches", "wb+", buffering=0)  # noqa: SIM115
         self._index = open(directory / "docs.idx", "wb+", buffering=0)  # noqa: SIM115
-        self._end = 0
+        self._keys_end = self._sketches_end = 0
         self.count = 0
         self.dtype = np.dtype(sketch_dtype)
 
     def append(self, keys: Sequence[str], sketches: Sequence[np.ndarray | None] | None) -> np.ndarray:
         """Write one batch of documents; returns their positions."""
         index = np.empty(len(keys), self._INDEX)
-        chunks: list[bytes] = []
-        offset = self._end
+        key_chunks: list[bytes] = []
+        sketch_chunks: list[bytes] = []
+        key_offset, sketch_offset = self._keys_end, self._sketches_end
         for i, key in enumerate(keys):
             key_bytes = key.encode("utf-8")
             sketch = None if sketches is None else sketches[i]
             sketch_bytes = b"" if sketch is None else np.ascontiguousarray(sketch, dtype=self.dtype).tobytes()
-            index[i] = (offset, len(key_bytes), _NO_SKETCH if sketch is None else len(sketch_bytes))
-            chunks += (key_bytes, sketch_bytes)
-            offset += len(key_bytes) + len(sketch_bytes)
-        self._data.write(b"".join(chunks))
+            sketch_len = _NO_SKETCH if sketch is None else len(sketch_bytes)
+            index[i] = (key_offset, sketch_offset, len(key_bytes), sketch_len)
+            key_chunks.append(key_bytes)
+            sketch_chunks.append(sketch_bytes)
+            key_offset += len(key_bytes)
+            sketch_offset += len(sketch_bytes)
+        self._keys.write(b"".join(key_chunks))
+        self._sketches.write(b"".join(sketch_chunks))
         self._index.write(index.tobytes())
-        self._end = offset
+        self._keys_end, self._sketches_end = key_offset, sketch_offset
         positions = np.arange(self.count, self.count + len(keys), dtype=np.uint64)
         self.count += len(keys)
         return positions
 
-    def read(self, positions: Sequence[int] | np.ndarray) -> list[tuple[str, np.ndarray | None]]:
-        """(key, sketch or None) of each position, read with positioned reads (no mapping: pages read here are
-        the OS's cache, not this process's resident memory)."""
-        out = []
-        for pos in positions:
-            entry = self._entry(int(pos))
-            key_len, sketch_len = int(entry["key_len"]), int(entry["sketch_len"])
-            has_sketch = sketch_len != _NO_SKETCH
-            raw = os.pread(self._data.fileno(), key_len + (sketch_len if has_sketch else 0), int(entry["offset"]))
-            sketch = np.frombuffer(raw[key_len:], self.dtype) if has_sketch else None
-            out.append((raw[:key_len].decode("utf-8"), sketch))
-        return out
+    def keys_of(self, positions: Sequence[int] | np.ndarray) -> list[str]:
+        """The key of each position, read with positioned reads (no mapping: pages read here are the OS's cache,
+        not this process's resident memory)."""
+        return [
+            os.pread(self._keys.fileno(), int(entry["key_len"]), int(entry["key_offset"])).decode("utf-8")
+            for entry in map(self._entry, map(int, positions))
+        ]
+
+    def sketch(self, position: int) -> np.ndarray | None:
+        """The sketch of a position (None for a document added without one)."""
+        entry = self._entry(position)
+        sketch_len = int(entry["sketch_len"])
+        if sketch_len == _NO_SKETCH:
+            return None
+        return np.frombuffer(os.pread(self._sketches.fileno(), sketch_len, int(entry["sketch_offset"])), self.dtype)
 
     def keys(self, positions: np.ndarray, width: int | None = None) -> np.ndarray:
         """The key of each position as UTF-8 bytes in one numpy byte-string array (see ``NO_KEYS``) ``width``
@@ -84,9 +98,9 @@ class DocRecords:
             return NO_KEYS if width is None else np.empty(0, f"S{width}")
         keys = np.empty(len(entries), f"S{width or int(entries['key_len'].max())}")
         for i, (offset, key_len) in enumerate(
-            zip(entries["offset"].tolist(), entries["key_len"].tolist(), strict=True)
+            zip(entries["key_offset"].tolist(), entries["key_len"].tolist(), strict=True)
         ):
-            keys[i] = os.pread(self._data.fileno(), key_len, offset)
+            keys[i] = os.pread(self._keys.fileno(), key_len, offset)
         return keys
 
     def key_width(self, positions: np.ndarray) -> int:
@@ -100,19 +114,19 @@ class DocRecords:
         return entries
 
     def _entry(self, pos: int) -> np.void:
-        """A position's (offset, key length, sketch length) from the index file."""
+        """A position's offsets and lengths from the index file."""
         size = self._INDEX.itemsize
         return np.frombuffer(os.pread(self._index.fileno(), size, pos * size), self._INDEX)[0]
 
     def close(self) -> None:
-        self._data.close()
-        self._index.close()
+        for file in (self._keys, self._sketches, self._index):
+            file.close()
 
     def remove(self) -> None:
-        """Close and delete both files (verification is over: the shard goes on with its graph)."""
+        """Close and delete the files (verification is over: the shard goes on with its graph)."""
         self.close()
-        for path in (self._data.name, self._index.name):
-            Path(path).unlink(missing_ok=True)
+        for file in (self._keys, self._sketches, self._index):
+            Path(file.name).unlink(missing_ok=True)
 
 
 class Partitions:
@@ -126,13 +140,14 @@ class Partitions:
         count: int,
         words: int = 1,
         flush_entries: int = 1 << 18,
-        max_sort_entries: int = 1 << 17,
+        max_sort_entries: int = 1 << 19,
     ) -> None:
         self._paths = [directory / f"{name}-{p:05d}.bin" for p in range(count)]
         self._entry = np.dtype([("key", "<u8", (words,)), ("pos", "<u8")])
         self._flush_entries = flush_entries
         # Grouping sorts one file's entries in memory, about 40 bytes each at its peak: a file holding more is
-        # split first, so a shard's memory does not grow with the corpus (2^17 entries: ~5 MB).
+        # split first, so a shard's memory does not grow with the corpus (2^19 entries: ~20 MB, less than the
+        # label propagation's peak; 256 files split only past 134M entries, 13M documents at 10 bands a shard).
         self._max_sort_entries = max_sort_entries
         self._pending: list[np.ndarray] = []
         self._pending_entries = 0
@@ -201,7 +216,9 @@ class Partitions:
             return
         entries = np.fromfile(path, self._entry)
         keys = entries["key"]
-        order = np.lexsort(keys.T[::-1])
+        # Which of a key's entries comes first does not matter (a bucket's members are put in key order after), so
+        # a one-word key takes numpy's unstable argsort: 4x faster than lexsort on 390,000 keys.
+        order = np.argsort(keys[:, 0]) if keys.shape[1] == 1 else np.lexsort(keys.T[::-1])
         keys, positions = keys[order], entries["pos"][order]
         del entries, order
         starts = np.flatnonzero(np.concatenate(([True], np.any(keys[1:] != keys[:-1], axis=1))))
