@@ -161,10 +161,10 @@ def ngram_hashes(normalised: str, n: int) -> np.ndarray:
 def sketch_of(hashes: np.ndarray) -> np.ndarray:
     """A document's verification sketch: the high 32 bits of its sorted unique 64-bit shingle hashes, each once.
 
-    Half the bytes of the 64-bit hashes on the index shards' disks and on the wire to them (at 10⁷ documents one
-    shard wrote 34.5 GB, and its adds waited on the disk). The price: two pages of 3,000 distinct shingles share a
-    32-bit value that no shingle of both has with probability 3000²/2³² ≈ 0.2%, which moves their Jaccard by
-    1/3000; decisions can only change for pairs that close to the threshold."""
+    Half the bytes of the 64-bit hashes on the index shards' disks and on the wire to them (at 10⁷ synthetic
+    documents one shard of 2 wrote 18.6 GB instead of 34.5: pipeline/README.md). The price: two pages of 3,000
+    distinct shingles share a 32-bit value that no shingle of both has with probability 3000²/2³² ≈ 0.2%, which
+    moves their Jaccard by 1/3000; decisions can only change for pairs that close to the threshold."""
     high = (hashes >> np.uint64(32)).astype(np.uint32)  # still sorted: the hashes are
     return high[np.concatenate(([True], high[1:] != high[:-1]))] if len(high) else high
 
