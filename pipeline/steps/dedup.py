@@ -158,6 +158,11 @@ def ngram_hashes(normalised: str, n: int) -> np.ndarray:
     return np.unique(_mix(rolled))
 
 
+def first_of_runs(ordered: np.ndarray) -> np.ndarray:
+    """True where a sorted array's value differs from the one before it: each distinct value's first place."""
+    return np.concatenate([[True], ordered[1:] != ordered[:-1]]) if len(ordered) else np.ones(0, bool)
+
+
 def sketch_of(hashes: np.ndarray) -> np.ndarray:
     """A document's verification sketch: the high 32 bits of its sorted unique 64-bit shingle hashes, each once.
 
@@ -166,7 +171,7 @@ def sketch_of(hashes: np.ndarray) -> np.ndarray:
     distinct shingles share a 32-bit value that no shingle of both has with probability 3000²/2³² ≈ 0.2%, which
     moves their Jaccard by 1/3000; decisions can only change for pairs that close to the threshold."""
     high = (hashes >> np.uint64(32)).astype(np.uint32)  # still sorted: the hashes are
-    return high[np.concatenate(([True], high[1:] != high[:-1]))] if len(high) else high
+    return high[first_of_runs(high)]
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

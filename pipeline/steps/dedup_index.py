@@ -47,7 +47,17 @@ import pyarrow.parquet as pq
 
 from ground.storage import Location
 from pipeline.steps.base import Doc
-from pipeline.steps.dedup import EXACT, MINHASH, DedupConfig, DedupKeys, MarkDuplicates, doc_key, jaccard, keyed_batch
+from pipeline.steps.dedup import (
+    EXACT,
+    MINHASH,
+    DedupConfig,
+    DedupKeys,
+    MarkDuplicates,
+    doc_key,
+    first_of_runs,
+    jaccard,
+    keyed_batch,
+)
 from pipeline.steps.dedup_spill import NO_KEYS, DocRecords, NodeKeys, Partitions
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
@@ -124,11 +134,6 @@ def _pair(a: _Member, b: _Member) -> int:
 
 
 EDGE_KEPT = 2
-
-
-def _first_of_runs(ordered: np.ndarray) -> np.ndarray:
-    """True where a sorted array's value differs from the one before it: each distinct value's first place."""
-    return np.concatenate([[True], ordered[1:] != ordered[:-1]]) if len(ordered) else np.ones(0, bool)
 
 
 class _Graph:
@@ -398,7 +403,7 @@ class BucketIndex:
         num_shards = len(asked)
         names = np.concatenate(asked)
         names.sort()  # in place: np.unique would hold two more copies of every name
-        first = _first_of_runs(names)
+        first = first_of_runs(names)
         if not first.all():  # a node asked twice (two shards, or a retried batch's copies): one copy
             names = names[first]
         self._owned[kind] = _Owned(names, np.arange(len(names), dtype=np.int64) * num_shards + self.shard_id)
@@ -456,7 +461,7 @@ class BucketIndex:
         self._requests.pop(kind, None)
         graph, labels = self._graphs[kind], self._view[kind]
         order = np.argsort(labels, kind="stable")
-        starts = np.flatnonzero(_first_of_runs(labels[order]))  # where each label's nodes begin, in that order
+        starts = np.flatnonzero(first_of_runs(labels[order]))  # where each label's nodes begin, in that order
         sent, lowest = labels[order[starts]], np.empty(len(starts), graph.keys.dtype)
         begin = 0
         while begin < len(order):
@@ -466,7 +471,7 @@ class BucketIndex:
             keys, chunk_labels = graph.keys.read(rows), labels[rows]
             by_key = np.lexsort((keys, chunk_labels))  # labels are already in order: each label's keys sorted
             first_runs = int(np.searchsorted(starts, begin))
-            lowest[first_runs:run] = keys[by_key[_first_of_runs(chunk_labels[by_key])]]
+            lowest[first_runs:run] = keys[by_key[first_of_runs(chunk_labels[by_key])]]
             begin = end
         owner = sent % num_shards
         return _parts([(sent[owner == j], lowest[owner == j]) for j in range(num_shards)])
@@ -476,7 +481,7 @@ class BucketIndex:
         labels = _joined([part[0] for part in lowest])
         keys = _joined([part[1] for part in lowest])
         order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
-        chosen = order[_first_of_runs(labels[order])]  # indexed once: keys[order] would copy every key
+        chosen = order[first_of_runs(labels[order])]  # indexed once: keys[order] would copy every key
         del order
         labels, keys = labels[chosen], keys[chosen]
         return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
@@ -526,7 +531,7 @@ class BucketIndex:
         keys = _joined([claim[0] for claim in claims])
         by_key = np.argsort(keys)  # decision_arrays searches the near duplicates' keys
         keys = keys[by_key]
-        once = _first_of_runs(keys)  # a document's copies share its key
+        once = first_of_runs(keys)  # a document's copies share its key
         if not once.all():
             keys, by_key = keys[once], by_key[once]
         self._duplicates[kind] = _Duplicates(keys, _joined([claim[1] for claim in claims])[by_key])
