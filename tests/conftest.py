@@ -27,9 +27,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 # here. Measured: tests/test_train_distributed.py (two launches) 47 s with the default, 33 s with 0.2 s.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
-# Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module,
-# without importing them by name into each one.
-pytest_plugins = ["train_fixtures", "serve_fixtures", "no_missing_module_skips", "module_durations", "pytester"]
+# Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module, without
+# importing them by name into each one; and the suite's plugins: a skip for a missing module fails the run, every
+# module's time at the end, and an exit past Ray's native teardown (each module says why).
+pytest_plugins = [
+    "train_fixtures",
+    "serve_fixtures",
+    "no_missing_module_skips",
+    "module_durations",
+    "exit_before_native_teardown",
+    "pytester",
+]
 
 
 @pytest.fixture(scope="session")
