@@ -2,10 +2,11 @@
 teardown.
 
 The suite starts and stops many Ray sessions in its one process (local ``ray.init``, drivers of multi-node clusters).
-Ray 2.60's core worker leaves native state behind after ``ray.shutdown()``: its C++ logger and threads outlive the
-session, and the interpreter's teardown (Ray's own ``atexit`` hook, module teardown, C++ static destructors) runs into
-them. CI saw it once (stop 44): "692 passed", then ``[ray_log_sink] Failed writing to file
-.../python-core-driver-..._PID.log: Bad file descriptor`` and a segmentation fault, which failed the run.
+Ray's core worker leaves native state behind after ``ray.shutdown()``: the driver's C++ log stays open
+(ray-project/ray#20991), and the interpreter's teardown (Ray's own ``atexit`` hook, module teardown, C++ static
+destructors) can run into what is left. CI saw it once (stop 44): "692 passed", then ``[ray_log_sink] Failed
+writing to file .../python-core-driver-..._PID.log: Bad file descriptor`` and a segmentation fault, which failed the
+run.
 
 The verdict is pytest's exit status, final once pytest returns. This registers, last, an ``atexit`` hook, which
 therefore runs first: it flushes Python's streams and ends the process with that status, before any teardown that
