@@ -11,11 +11,17 @@ A ``--dup-share`` of the documents are planted copies of an earlier document of 
 half exact copies (the same exact key, signature and sketch), half near copies (the same signature, 95% of the
 hashes: Jaccard ≈ 0.9).
 
-Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands and exact keys of
-every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the pipeline's own
-``DedupConfig``, ``DedupKeys.band_keys``, ``BucketIndex`` and ``resolve_clusters``, in batches of ``--batch``
-documents, with the allocator setting the executor gives its shard actors (``fix_mmap_threshold``; ``--default-malloc``
-leaves it out, to measure what it buys). Sizes alternate their order from round to round.
+Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands, exact keys and the
+sketches it owns of every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the
+pipeline's own ``DedupConfig``, ``DedupKeys.band_keys``, ``BucketIndex``, ``verify_candidates`` and
+``label_clusters``, in batches of ``--batch`` documents, with the allocator setting the executor gives its shard actors
+(``fix_mmap_threshold``; ``--default-malloc`` leaves it out, to measure what it buys). Sizes alternate their order
+from round to round.
+
+The other shards are stood in for (:class:`OtherShards`), with the exchanges a real shard makes: shard 0 fetches the
+sketches of its candidates that they own, and serves them the sketches of theirs that it owns. A stand-in answers
+from a file the generator wrote (the candidates are the planted copies and their originals); its time is not
+counted as shard 0's.
 
 Reported per size, median [IQR] over rounds: the process's RSS before the first document (Python, numpy and the
 index's code), its RSS once every document is added (the index as built: what the spill files bound), its peak RSS
@@ -32,6 +38,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -51,8 +58,11 @@ from pipeline.steps.dedup_index import (  # noqa: E402
     SHARD_MMAP_THRESHOLD,
     BucketIndex,
     InProcess,
-    resolve_clusters,
+    label_clusters,
+    node_names,
     shard_part,
+    sketch_owner,
+    verify_candidates,
 )
 
 
@@ -108,16 +118,101 @@ def number_of(key: str) -> int:
     return int(key[10:22])
 
 
+class OtherShards:
+    """What shards 1..n-1 hold and ask for, for shard 0's verification: from each batch the generator makes, the
+    candidates (planted copies and their originals), their names, and the sketches of those another shard owns, in
+    a file (not this process's memory: it is shard 0's RSS that is measured)."""
+
+    def __init__(self, num_shards: int, directory: Path) -> None:
+        self.num_shards = num_shards
+        self.file = open(directory / "other-shards.sketches", "wb+")  # noqa: SIM115 (closed by close())
+        self.end = 0
+        self.ask_parts: list[np.ndarray] = []  # names of candidates shard 0 owns: what the others ask it for
+        self.held_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # names, file offsets, lengths
+        self.seconds = 0.0  # time spent in the stand-ins, taken out of shard 0's
+
+    def note(self, batch: dict, copies: dict[int, int], start: int) -> None:
+        members = sorted({i - start for pair in copies.items() for i in pair})
+        keys = [batch["doc_keys"][i].encode("utf-8") for i in members]
+        names = node_names(np.array(keys, dtype=bytes)) if keys else np.empty(0, "S16")
+        owners = np.array([sketch_owner(key, self.num_shards, batch["band_keys"].shape[1]) for key in keys], np.int64)
+        self.ask_parts.append(names[owners == 0])
+        held = np.flatnonzero(owners != 0)
+        sketches = [np.asarray(batch["sketches"][members[i]], np.uint32) for i in held.tolist()]
+        lengths = np.array([len(sketch) for sketch in sketches], np.int64)
+        offsets = self.end + 4 * (np.cumsum(lengths) - lengths)
+        if sketches:
+            self.file.write(np.concatenate(sketches).tobytes())
+            self.end += 4 * int(lengths.sum())
+        self.held_parts.append((names[held], offsets, lengths))
+
+    def shards(self) -> list[StandIn]:
+        self.asks = np.concatenate(self.ask_parts) if self.ask_parts else np.empty(0, "S16")
+        names, offsets, lengths = (np.concatenate(parts) for parts in zip(*self.held_parts, strict=True))
+        order = np.argsort(names)
+        self.names, self.offsets, self.lengths = names[order], offsets[order], lengths[order]
+        self.ask_parts, self.held_parts = [], []
+        return [StandIn(self, j) for j in range(1, self.num_shards)]
+
+    def sketches_of(self, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.searchsorted(self.names, names)
+        if len(names) and not (self.names[np.minimum(at, len(self.names) - 1)] == names).all():
+            raise RuntimeError("shard 0 asked for a sketch that is not a planted pair's (an accidental LSH collision)")
+        lengths = self.lengths[at]
+        values = [
+            np.frombuffer(os.pread(self.file.fileno(), 4 * int(n), int(o)), np.uint32)
+            for o, n in zip(self.offsets[at].tolist(), lengths.tolist(), strict=True)
+        ]
+        return lengths.astype(np.uint32), np.concatenate(values) if values else np.empty(0, np.uint32)
+
+
+class StandIn:
+    """Shard ``j`` (≥ 1) in ``verify_candidates``: it asks shard 0 for the candidates' sketches shard 0 owns (a
+    shard's candidates are every planted pair, whose copies share all bands), and answers what shard 0 asks it."""
+
+    def __init__(self, others: OtherShards, shard_id: int) -> None:
+        self.others, self.shard_id, self.asked = others, shard_id, 0
+        # Each stand-in asks for every candidate shard 0 owns, as each real shard would.
+        self.wanted = others.asks
+
+    def _timed(self, started: float) -> None:
+        self.others.seconds += time.perf_counter() - started
+
+    def collect_candidates(self, num_shards: int) -> int:
+        return len(self.wanted)
+
+    def ask_sketches(self, num_shards: int, most: int) -> tuple:
+        none = np.empty(0, "S16")
+        return (self.wanted[self.asked : self.asked + most], *[none] * (num_shards - 1))
+
+    def serve_sketches(self, *asked: np.ndarray) -> tuple:
+        started = time.perf_counter()
+        answers = [
+            self.others.sketches_of(names) if i == 0 else (np.empty(0, np.uint32),) * 2 for i, names in enumerate(asked)
+        ]
+        self._timed(started)
+        return tuple(answers)
+
+    def take_sketches(self, *answers: tuple[np.ndarray, np.ndarray]) -> int:
+        self.asked += len(answers[0][0])
+        return len(self.wanted) - self.asked
+
+    def finalize(self) -> int:
+        return 0
+
+
 def one_size(args: argparse.Namespace) -> dict:
     """Run one size in this process and return its measurements."""
     config = DedupConfig(num_index_actors=args.shards, spill_dir=args.spill_dir)
     keys = DedupKeys(config)
     shard = BucketIndex(0, config, own_process=not args.default_malloc)
+    others = OtherShards(args.shards, shard.spill_dir.parent)
     rss_at_start = rss_bytes()
     # The planted pairs as two number arrays (not a dict of keys: the bench's own memory stays out of the RSS).
     copy_of: list[np.ndarray] = []
     original_of: list[np.ndarray] = []
     generate_s = add_s = 0.0
+    owned = 0  # documents whose sketch shard 0 stores: those whose key it owns
     for start in range(0, args.one, args.batch):
         t0 = time.perf_counter()
         batch, copies = synthetic_batch(
@@ -125,14 +220,21 @@ def one_size(args: argparse.Namespace) -> dict:
         )
         copy_of.append(np.fromiter(copies.keys(), np.int64, len(copies)))
         original_of.append(np.fromiter(copies.values(), np.int64, len(copies)))
+        if args.shards > 1:
+            others.note(batch, copies, start)
         t1 = time.perf_counter()
-        shard.add(**shard_part(batch, 0, args.shards))
+        part = shard_part(batch, 0, args.shards)
+        owned += sum(sketch is not None for sketch in part["sketches"] or ())
+        shard.add(**part)
         add_s += time.perf_counter() - t1
         generate_s += t1 - t0
     rss_built = rss_bytes()
     t0 = time.perf_counter()
-    resolve_clusters([shard], InProcess())
-    resolve_s = time.perf_counter() - t0
+    verify_candidates([shard, *(others.shards() if args.shards > 1 else [])], InProcess())
+    label_clusters([shard], InProcess())  # the label propagation over shard 0's edges alone
+    resolve_s = time.perf_counter() - t0 - others.seconds
+    others.file.close()
+    Path(others.file.name).unlink()
     rss_resolved = rss_bytes()
     keys_dropped, _, keys_kept = shard.decision_arrays()  # what write_decisions writes
     # The shard's peak: the check below builds Python objects of every decision, which are the bench's own.
@@ -155,6 +257,9 @@ def one_size(args: argparse.Namespace) -> dict:
         "found": found,
         "not_planted": len(set(dropped) - set(copies.tolist())),
         "candidates": stats["candidates"],
+        "sketches_owned": owned,
+        "sketches_fetched": stats["sketches_fetched"],
+        "sketches_served": stats["sketches_served"],
     }
 
 
@@ -197,8 +302,9 @@ def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespac
         f"median [IQR] over {args.rounds} round(s).",
         "",
         "| documents | RSS before the first document, MB | RSS with every document added, MB | peak RSS, MB "
-        "| add, µs/doc | finalize + resolve, µs/doc | spilled, KB/doc | planted copies found | drops not planted |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| add, µs/doc | finalize + resolve, µs/doc | spilled, KB/doc | sketches owned, fetched, served "
+        "| planted copies found | drops not planted |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for docs in sizes:
         rs = runs[docs]
@@ -209,6 +315,7 @@ def table(sizes: list[int], runs: dict[int, list[dict]], args: argparse.Namespac
             f"| {median_iqr_text([r['add_s_per_doc'] for r in rs], '{:.1f}', 1e6)} "
             f"| {median_iqr_text([r['resolve_s_per_doc'] for r in rs], '{:.1f}', 1e6)} "
             f"| {median_iqr_text([r['spilled_bytes_per_doc'] for r in rs], '{:.2f}', 1e-3)} "
+            f"| {rs[0]['sketches_owned']:,}, {rs[0]['sketches_fetched']:,}, {rs[0]['sketches_served']:,} "
             f"| {min(r['found'] for r in rs):,} of {rs[0]['planted']:,} | {max(r['not_planted'] for r in rs)} |"
         )
     lines.append("")

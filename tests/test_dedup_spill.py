@@ -24,7 +24,7 @@ from pipeline.steps.dedup_index import (
     resolve_clusters,
     shard_part,
 )
-from pipeline.steps.dedup_spill import DocRecords, Partitions
+from pipeline.steps.dedup_spill import BucketGroups, DocRecords, Partitions
 
 
 @pytest.mark.parametrize("count,words,max_sort", [(1, 1, 1 << 17), (7, 1, 1 << 17), (5, 2, 1 << 17), (2, 1, 100)])
@@ -66,6 +66,43 @@ def test_records_read_back_by_position(tmp_path: Path) -> None:
     records.close()
 
 
+@pytest.mark.parametrize("max_sort", [1 << 17, 50])
+def test_partitions_find_the_position_of_each_key_asked_for(tmp_path: Path, max_sort: int) -> None:
+    """(max_sort 50: each file is read in many chunks.)"""
+    rng = np.random.default_rng(1)
+    keys = np.unique(rng.integers(0, 2**64, size=(2000, 2), dtype=np.uint64), axis=0)
+    rng.shuffle(keys)
+    parts = Partitions(tmp_path, "s", 7, words=2, flush_entries=300, max_sort_entries=max_sort)
+    parts.append(keys[:1500], np.arange(1500, dtype=np.uint64))
+    parts.append(keys[:10], np.arange(10, dtype=np.uint64))  # a retried batch: the same keys at the same positions
+    asked = np.concatenate([keys[rng.permutation(1500)[:400]], keys[1500:1600]])  # 100 never added
+    found = parts.find(asked)
+    positions = {tuple(k): i for i, k in enumerate(keys[:1500].tolist())}
+    assert found.tolist() == [positions.get(tuple(k), -1) for k in asked.tolist()]
+    assert (found[400:] == -1).all() and parts.find(keys[:0]).tolist() == []
+
+
+def test_bucket_groups_read_back_every_group_in_order(tmp_path: Path) -> None:
+    groups = BucketGroups(tmp_path, buffer_entries=5)  # groups longer than the buffer too
+    rng = random.Random(2)
+    written = [[rng.randrange(10**12) for _ in range(rng.randrange(2, 12))] for _ in range(300)]
+    for group in written:
+        groups.append(group)
+    assert list(groups) == written and list(groups) == written  # read twice: the files stay until removed
+    groups.remove()
+    assert list(tmp_path.iterdir()) == [] and list(BucketGroups(tmp_path)) == []
+
+
+def test_records_take_the_sketches_fetched_for_them(tmp_path: Path) -> None:
+    records = DocRecords(tmp_path, np.uint32)
+    records.append(["a", "b", "c"], [None, np.array([5, 6], np.uint32), None])
+    assert records.keys_and_sketched([0, 1, 2]) == (["a", "b", "c"], [False, True, False])
+    records.attach(np.array([2, 0]), np.array([3, 1], np.uint32), np.array([7, 8, 9, 4], np.uint32))
+    assert records.sketch(0).tolist() == [4] and records.sketch(1).tolist() == [5, 6]
+    assert records.sketch(2).tolist() == [7, 8, 9] and records.keys_and_sketched([0, 2])[1] == [True, True]
+    records.close()
+
+
 def shard_decisions(texts: list[str], config: DedupConfig, repeat: int = 1) -> dict[str, tuple[str, str]]:
     keys = DedupKeys(config)
     docs = [{"warc_record_id": f"id-{i:03d}", "text": t} for i, t in enumerate(texts)]
@@ -91,9 +128,33 @@ def test_decisions_do_not_depend_on_the_partitions_and_a_retried_batch_changes_n
     corpus = texts + planted + [texts[7].upper()]
     reference = shard_decisions(corpus, DedupConfig(num_index_actors=1, spill_partitions=1))
     assert len(reference) == 7  # the six near copies and the exact one
-    for actors, partitions in [(2, 256), (3, 5)]:
+    for actors, partitions in [(2, 256), (3, 5), (23, 3)]:  # 23: three shards hold no band, nor any sketch
         config = DedupConfig(num_index_actors=actors, spill_partitions=partitions)
         assert shard_decisions(corpus, config, repeat=2) == reference
+
+
+def test_each_sketch_is_stored_once_at_its_owner_and_fetched_where_a_bucket_needs_it(ccnet_texts) -> None:
+    """Three shards, each owning some of every document's bands: a document's sketch is written to its owner's disk
+    alone, the shards fetch the sketches their shared buckets need from the owners, and decide as one shard does."""
+    texts = [t for t in ccnet_texts if len(t.split()) >= 100][:30]
+    corpus = texts + [t.replace(" the ", " a ", 3) for t in texts[:8]]  # near copies
+    config = DedupConfig(num_index_actors=3, exact={"enabled": False})
+    keys = DedupKeys(config)
+    docs = [{"warc_record_id": f"id-{i:03d}", "text": t} for i, t in enumerate(corpus)]
+    exact, sigs, sketches = zip(*(keys.keys(d["text"]) for d in docs), strict=True)
+    batch = keyed_batch(config, [doc_key(d) for d in docs], list(exact), np.stack(sigs), list(sketches))
+    shards = [BucketIndex(i, config) for i in range(3)]
+    for shard in shards:
+        shard.add(**shard_part(batch, shard.shard_id, 3))
+    stored = [(shard.spill_dir / "docs.sketches").stat().st_size for shard in shards]
+    assert sum(stored) == sum(s.nbytes for s in sketches) and all(stored)  # every sketch once, spread out
+    resolve_clusters(shards, InProcess())
+    stats = [shard.get_stats() for shard in shards]
+    fetched = sum(s["sketches_fetched"] for s in stats)
+    assert fetched == sum(s["sketches_served"] for s in stats) > 0
+    decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
+    assert decisions == shard_decisions(corpus, DedupConfig(num_index_actors=1, exact={"enabled": False}))
+    assert decisions  # the near copies were found
 
 
 def test_the_index_is_on_disk_until_it_finalizes_its_edges_keys_until_resolved_then_gone(

@@ -58,7 +58,7 @@ from pipeline.steps.dedup import (
     jaccard,
     keyed_batch,
 )
-from pipeline.steps.dedup_spill import NO_KEYS, DocRecords, NodeKeys, Partitions
+from pipeline.steps.dedup_spill import NO_KEYS, BucketGroups, DocRecords, NodeKeys, Partitions
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -70,6 +70,12 @@ def owner_of(key: str | bytes, num_shards: int) -> int:
     """The shard that owns a document key or an exact key: a hash every process agrees on."""
     data = key.encode("utf-8") if isinstance(key, str) else key
     return zlib.crc32(data) % num_shards
+
+
+def sketch_owner(doc_key: str | bytes, num_shards: int, num_bands: int) -> int:
+    """The shard that stores a document's verification sketch, the one the other shards fetch it from: among the
+    shards that hold bands (all of them unless there are more shards than bands), by a hash of the key."""
+    return owner_of(doc_key, min(num_shards, num_bands))
 
 
 # The allocator setting of an index shard's process (the executor's actors; bench/dedup_index_bench.py's children). A
@@ -121,16 +127,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _Member(NamedTuple):
-    """A bucket's document as verification sees it (its sketch is read only if a pair of it needs verifying)."""
-
-    key: str
-    position: int  # in the shard's records
-
-
-def _pair(a: _Member, b: _Member) -> int:
-    """One int per unordered pair of documents (not a tuple of keys: a shard caches every candidate pair)."""
-    return (a.position << 64) | b.position if a.position < b.position else (b.position << 64) | a.position
+def _pair(a: int, b: int) -> int:
+    """One int per unordered pair of documents, by their positions in the shard's records (not a tuple of keys: a
+    shard caches every candidate pair)."""
+    return (a << 64) | b if a < b else (b << 64) | a
 
 
 EDGE_KEPT = 2
@@ -168,6 +168,11 @@ def node_names(keys: np.ndarray) -> np.ndarray:
     probability about n²/2^129 (the birthday bound): nil at a crawl's billions, where 64 bits would not be."""
     # One key at a time: keys.tolist() would hold every key as a Python object at once.
     return np.fromiter((hashlib.blake2b(key, digest_size=16).digest() for key in keys), "S16", len(keys))
+
+
+def _name_words(names: np.ndarray) -> np.ndarray:
+    """16-byte names as (n, 2) uint64 keys for a spill ``Partitions``."""
+    return np.frombuffer(np.ascontiguousarray(names, "S16").tobytes(), "<u8").reshape(-1, 2)
 
 
 def owners_of_names(names: np.ndarray, num_shards: int) -> np.ndarray:
@@ -222,6 +227,13 @@ class BucketIndex:
         self._records = DocRecords(self.spill_dir, np.uint32)  # a signature or a sketch (sketch_of): 32-bit values
         self._bands = Partitions(self.spill_dir, "band", config.spill_partitions)
         self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
+        # The sketches this shard owns (``shard_part``), by their document's name: what the other shards ask for.
+        self._sketch_names = Partitions(self.spill_dir, "sketch", config.spill_partitions, words=2)
+        self._shared: BucketGroups | None = None  # the shared buckets, once listed (collect_candidates)
+        # Per owner: the positions whose sketches this shard fetches from it, their names, and how many it has asked.
+        self._fetch: list[tuple[np.ndarray, np.ndarray]] = []
+        self._fetch_asked: list[int] = []
+        self._removed_bytes = 0  # spill files removed before finalize, still counted in spilled_bytes
         self._band_docs = 0
         self._graphs: dict[str, _Graph] = {}
         # Labels of the nodes this shard owns, and of the nodes in its edges.
@@ -240,6 +252,8 @@ class BucketIndex:
             "verified": 0,
             "rounds": 0,
             "spilled_bytes": 0,
+            "sketches_fetched": 0,
+            "sketches_served": 0,
         }
 
     # ---- building the index ----
@@ -257,6 +271,11 @@ class BucketIndex:
         positions: dict[str, int] = {}
         if band_keys is not None and len(doc_keys):
             placed = self._records.append(doc_keys, sketches)
+            if sketches is not None and self.config.num_index_actors > 1:
+                owned = [i for i, sketch in enumerate(sketches) if sketch is not None]
+                if owned:
+                    names = node_names(np.array([doc_keys[i].encode("utf-8") for i in owned], dtype=bytes))
+                    self._sketch_names.append(_name_words(names), placed[owned])
             self._band_docs += len(doc_keys)
             positions = dict(zip(doc_keys, placed.tolist(), strict=True))
             bands = band_keys.astype(np.uint64, copy=False)
@@ -272,7 +291,7 @@ class BucketIndex:
         self.stats["exact_seconds"] += time.perf_counter() - started
         return len(doc_keys)
 
-    def _similar(self, a: _Member, b: _Member, cache: dict[int, int], sketches: dict[int, np.ndarray | None]) -> bool:
+    def _similar(self, a: int, b: int, cache: dict[int, int], sketches: dict[int, np.ndarray | None]) -> bool:
         """Whether a candidate pair verifies; ``cache`` holds the pairs verified so far, ``sketches`` the sketches
         read for the bucket at hand (a member is compared with each center before it)."""
         pair = _pair(a, b)
@@ -284,9 +303,9 @@ class BucketIndex:
             hit = True
         else:
             for member in (a, b):
-                if member.position not in sketches:
-                    sketches[member.position] = self._records.sketch(member.position)
-            sketch_a, sketch_b = sketches[a.position], sketches[b.position]
+                if member not in sketches:
+                    sketches[member] = self._records.sketch(member)
+            sketch_a, sketch_b = sketches[a], sketches[b]
             if sketch_a is None or sketch_b is None:
                 raise ValueError(f"minhash.verify={mh.verify!r} needs every document's sketch; add() was given none")
             if mh.verify == "jaccard":
@@ -298,36 +317,114 @@ class BucketIndex:
         self.stats["verified"] += hit
         return hit
 
-    def _members(self, positions: np.ndarray) -> list[_Member]:
-        """A bucket's documents in key order, each key once at its lowest position (a retried batch adds copies;
-        the lowest position is the same in every bucket the copies share)."""
-        first: dict[str, _Member] = {}
-        for position, key in zip(positions.tolist(), self._records.keys_of(positions), strict=True):
-            if key not in first or position < first[key].position:
-                first[key] = _Member(key, position)
-        return sorted(first.values(), key=lambda member: member.key)
+    def _members(self, positions: np.ndarray, lacking: array | None = None) -> list[int]:
+        """A bucket's documents (positions) in key order, each key once at its lowest position (a retried batch adds
+        copies; the lowest position is the same in every bucket the copies share). ``lacking``: where to add the
+        members whose sketch is not here."""
+        first: dict[str, tuple[int, bool]] = {}
+        keys, sketched = self._records.keys_and_sketched(positions)
+        for position, key, has in zip(positions.tolist(), keys, sketched, strict=True):
+            if key not in first or position < first[key][0]:
+                first[key] = (position, has)
+        members = [first[key] for key in sorted(first)]
+        if lacking is not None and len(members) > 1:
+            lacking.extend(position for position, has in members if not has)
+        return [position for position, _ in members]
+
+    # ---- verification: the candidates' sketches fetched from their owners, then each shared bucket verified ----
+
+    def collect_candidates(self, num_shards: int) -> int:
+        """List the shared buckets (each its members in key order, on disk) and the members whose sketches another
+        shard owns; returns how many sketches this shard must fetch before it can verify."""
+        started = time.perf_counter()
+        lacking = array("q")
+        shared = BucketGroups(self.spill_dir)
+        needs_sketches = self.config.minhash.verify != "none"
+        for positions in self._bands.groups():
+            members = self._members(positions, lacking if needs_sketches else None)
+            if len(members) > 1:
+                shared.append(members)
+        before = self.spilled_bytes()
+        self._bands.remove()
+        self._removed_bytes += before - self.spilled_bytes()
+        self._shared = shared
+        wanted = np.unique(np.frombuffer(lacking, np.int64))
+        del lacking
+        owners = np.empty(len(wanted), np.int64)
+        names = np.empty(len(wanted), "S16")
+        bands = self.config.minhash.bands
+        for begin in range(0, len(wanted), _KEY_CHUNK):  # keys read back a chunk at a time, as in lowest_keys
+            keys = self._records.keys(wanted[begin : begin + _KEY_CHUNK])
+            owners[begin : begin + len(keys)] = [sketch_owner(key, num_shards, bands) for key in keys]
+            names[begin : begin + len(keys)] = node_names(keys)
+        self._fetch = [(wanted[owners == j], names[owners == j]) for j in range(num_shards)]
+        self._fetch_asked = [0] * num_shards
+        self.stats["verify_seconds"] += time.perf_counter() - started
+        return len(wanted)
+
+    def ask_sketches(self, num_shards: int, most: int) -> Any:
+        """The names of the next sketches (at most ``most``) this shard fetches from each owner."""
+        asked = []
+        for j, (_, names) in enumerate(self._fetch):
+            asked.append(names[self._fetch_asked[j] : self._fetch_asked[j] + most])
+        return _parts(asked)
+
+    def serve_sketches(self, *asked: np.ndarray) -> Any:
+        """As owner: the sketches each shard asked for (by name), as (lengths, values end to end) per shard."""
+        started = time.perf_counter()
+        answers = []
+        for shard, names in enumerate(asked):
+            found = self._sketch_names.find(_name_words(names))
+            if (found < 0).any():
+                raise RuntimeError(
+                    f"dedup index shard {self.shard_id}: {int((found < 0).sum())} of the sketches shard {shard} asked "
+                    "for are not here; every document's sketch is added to the shard that owns its key (shard_part)"
+                )
+            sketches = [self._records.sketch(position) for position in found.tolist()]
+            held = [sketch for sketch in sketches if sketch is not None]  # an owner holds every sketch it owns
+            lengths = np.array([len(sketch) for sketch in held], np.uint32)
+            values = np.concatenate(held) if held else np.empty(0, self._records.dtype)
+            answers.append((lengths, values))
+            self.stats["sketches_served"] += len(sketches)
+        self.stats["verify_seconds"] += time.perf_counter() - started
+        return _parts(answers)
+
+    def take_sketches(self, *answers: tuple[np.ndarray, np.ndarray]) -> int:
+        """Keep the sketches each owner answered (in the order asked) with their documents' records; returns how
+        many this shard has still to fetch."""
+        started = time.perf_counter()
+        for j, (lengths, values) in enumerate(answers):
+            positions = self._fetch[j][0][self._fetch_asked[j] : self._fetch_asked[j] + len(lengths)]
+            self._records.attach(positions, lengths, values)
+            self._fetch_asked[j] += len(lengths)
+            self.stats["sketches_fetched"] += len(lengths)
+        self.stats["verify_seconds"] += time.perf_counter() - started
+        return sum(len(positions) - asked for (positions, _), asked in zip(self._fetch, self._fetch_asked, strict=True))
 
     def finalize(self) -> int:
         """Verify the candidates of every shared bucket; a member joins the first (lowest-key) verified center.
         Exact keys shared by two or more documents join them to the lowest key. Members are taken in key order,
         so the edges do not depend on the order documents arrived in. The documents' and buckets' spill files are
         removed after; the edges' node keys stay on disk until the clusters are resolved (``claim``)."""
+        if self._shared is None:  # a shard verified alone holds every sketch it needs
+            self.collect_candidates(1)
+        assert self._shared is not None
         started = time.perf_counter()
         self.stats["spilled_bytes"] = self.spilled_bytes()
         exact = array("q")  # edges as flat (position, position) pairs
         for positions in self._exact.groups():
             members = self._members(positions)
             for member in members[1:]:
-                exact += array("q", (member.position, members[0].position))
+                exact += array("q", (member, members[0]))
         self.stats["exact_seconds"] += time.perf_counter() - started
         started = time.perf_counter()
         # A pair sharing several bands is verified once: 0 not similar, 1 similar, EDGE_KEPT its edge recorded.
         cache: dict[int, int] = {}
         near = array("q")
-        for positions in self._bands.groups():
-            centers: list[_Member] = []
+        for members in self._shared:
+            centers: list[int] = []
             sketches: dict[int, np.ndarray | None] = {}
-            for member in self._members(positions):
+            for member in members:
                 center = next((c for c in centers if self._similar(member, c, cache, sketches)), None)
                 if center is None:
                     centers.append(member)
@@ -335,14 +432,15 @@ class BucketIndex:
                     pair = _pair(member, center)
                     if cache[pair] != EDGE_KEPT:  # the same pair joined in another band: the edge is there
                         cache[pair] = EDGE_KEPT
-                        near += array("q", (member.position, center.position))
+                        near += array("q", (member, center))
         del cache
         exact_pairs = np.frombuffer(exact, np.int64).reshape(-1, 2)
         near_pairs = np.frombuffer(near, np.int64).reshape(-1, 2)  # each pair once (EDGE_KEPT)
         # An exact duplicate is also a near one.
         self._graphs = self._edge_graphs({"exact": exact_pairs, "near": np.concatenate([exact_pairs, near_pairs])})
         self._records.remove()
-        self._bands.remove()
+        self._shared.remove()
+        self._sketch_names.remove()
         self._exact.remove()
         self.stats["verify_seconds"] += time.perf_counter() - started
         return len(self._graphs["near"].a)
@@ -371,10 +469,13 @@ class BucketIndex:
         return graphs
 
     def spilled_bytes(self) -> int:
-        """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries)."""
+        """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries), those it
+        has removed since included."""
         self._bands.flush()
         self._exact.flush()
-        return sum(p.stat().st_size for p in self.spill_dir.iterdir()) if self.spill_dir.exists() else 0
+        self._sketch_names.flush()
+        here = sum(p.stat().st_size for p in self.spill_dir.iterdir()) if self.spill_dir.exists() else 0
+        return here + self._removed_bytes
 
     def close(self) -> None:
         """Remove the spill files (the executor calls it before killing a shard that did not resolve; a shard
@@ -607,33 +708,62 @@ class InProcess:
         return values
 
 
+# Sketches a shard asks one owner for per round: about 6.5 MB in flight per pair of shards with 400-hash sketches,
+# so a shard's memory does not grow with how many candidates it verifies.
+FETCH_CHUNK = 4096
+
+
+def _each_split(shards: Sequence, calls: ShardCalls, method: str, args: Sequence[tuple]) -> list:
+    """Call ``method`` on every shard; per shard, its n return values (one per destination shard)."""
+    n = len(shards)
+    results = calls.each(shards, method, args, num_returns=n)
+    return results if n > 1 else [[r] for r in results]
+
+
+def _exchange(shards: Sequence, calls: ShardCalls, sent: list, method: str, lead: tuple, split: bool = False) -> list:
+    """Call ``method`` on every shard j with ``lead`` then what each shard i sent it (``sent[i][j]``); ``split``:
+    its results are one per destination shard."""
+    n = len(shards)
+    args = [(*lead, *[sent[i][j] for i in range(n)]) for j in range(n)]
+    return _each_split(shards, calls, method, args) if split else calls.each(shards, method, args)
+
+
+def verify_candidates(shards: Sequence, calls: ShardCalls) -> None:
+    """Every shard lists its shared buckets, fetches the sketches of their members that other shards own (each
+    document's sketch is stored once, at its owner: ``shard_part``), then verifies them."""
+    n = len(shards)
+    wanted = sum(calls.get(calls.each(shards, "collect_candidates", [(n,)] * n)))
+    while wanted:
+        asked = _each_split(shards, calls, "ask_sketches", [(n, FETCH_CHUNK)] * n)
+        answers = _exchange(shards, calls, asked, "serve_sketches", (), split=True)
+        wanted = sum(calls.get(_exchange(shards, calls, answers, "take_sketches", ())))
+    calls.get(calls.each(shards, "finalize", [()] * n))
+
+
+def label_clusters(shards: Sequence, calls: ShardCalls) -> None:
+    """With every shard's verified edges: label every node with the lowest key of its cluster."""
+    n = len(shards)
+    for kind in KINDS:
+        ids = _exchange(
+            shards, calls, _each_split(shards, calls, "requests", [(kind, n)] * n), "register", (kind,), True
+        )
+        calls.get(_exchange(shards, calls, ids, "adopt", (kind,)))
+        while True:
+            proposals = _each_split(shards, calls, "propose", [(kind,)] * n)
+            if not sum(calls.get(_exchange(shards, calls, proposals, "receive", (kind,)))):
+                break
+            answers = _each_split(shards, calls, "answer", [(kind,)] * n)
+            calls.get(_exchange(shards, calls, answers, "refresh", (kind,)))
+        lowest_keys = _each_split(shards, calls, "lowest_keys", [(kind, n)] * n)
+        lowest = _exchange(shards, calls, lowest_keys, "settle", (kind,), split=True)
+        claims = _exchange(shards, calls, lowest, "claim", (kind,), split=True)
+        calls.get(_exchange(shards, calls, claims, "accept", (kind,)))
+
+
 def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
     """Verify candidates in every shard, then label every node with the lowest key of its cluster."""
-    n = len(shards)
-
-    def parts(method: str, args: Sequence[tuple]) -> list:
-        """Per shard, its n return values (one per destination shard)."""
-        results = calls.each(shards, method, args, num_returns=n)
-        return results if n > 1 else [[r] for r in results]
-
-    def exchange(sent: list, method: str, kind: str, split: bool = False) -> list:
-        """Call ``method`` on every shard j with what each shard i sent it (``sent[i][j]``); ``split``: its
-        results are one per destination shard."""
-        args = [(kind, *[sent[i][j] for i in range(n)]) for j in range(n)]
-        return parts(method, args) if split else calls.each(shards, method, args)
-
-    calls.get(calls.each(shards, "finalize", [()] * n))
-    for kind in KINDS:
-        ids = exchange(parts("requests", [(kind, n)] * n), "register", kind, split=True)
-        calls.get(exchange(ids, "adopt", kind))
-        while True:
-            changed = calls.get(exchange(parts("propose", [(kind,)] * n), "receive", kind))
-            if not sum(changed):
-                break
-            calls.get(exchange(parts("answer", [(kind,)] * n), "refresh", kind))
-        lowest = exchange(parts("lowest_keys", [(kind, n)] * n), "settle", kind, split=True)
-        claims = exchange(lowest, "claim", kind, split=True)
-        calls.get(exchange(claims, "accept", kind))
+    verify_candidates(shards, calls)
+    label_clusters(shards, calls)
 
 
 def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
@@ -648,7 +778,13 @@ def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
     bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
     if not bands:
         return {"exact": exact, "doc_keys": [], "band_keys": None, "sketches": None}
-    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": batch["sketches"]}
+    sketches = batch["sketches"]
+    if sketches is not None and num_shards > 1:
+        # Each document's sketch goes to one shard, the owner of its key; the others fetch it only if it is a
+        # candidate there (verify_candidates). A shard's disk then holds 1/n of the sketches, not all of them.
+        owners = (sketch_owner(key, num_shards, band_keys.shape[1]) for key in doc_keys)
+        sketches = [s if owner == shard_id else None for owner, s in zip(owners, sketches, strict=True)]
+    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": sketches}
 
 
 def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]:

@@ -82,6 +82,26 @@ class DocRecords:
             for entry in map(self._entry, map(int, positions))
         ]
 
+    def keys_and_sketched(self, positions: Sequence[int] | np.ndarray) -> tuple[list[str], list[bool]]:
+        """The key of each position and whether it has a sketch here, from one read of its index entry."""
+        entries = [self._entry(int(pos)) for pos in positions]
+        keys = [os.pread(self._keys.fileno(), int(e["key_len"]), int(e["key_offset"])).decode("utf-8") for e in entries]
+        return keys, [int(e["sketch_len"]) != _NO_SKETCH for e in entries]
+
+    def attach(self, positions: np.ndarray, lengths: np.ndarray, flat: np.ndarray) -> None:
+        """Give documents added without a sketch their sketches (fetched from the shard that owns them): sketch
+        ``i`` is ``flat``'s next ``lengths[i]`` values. Appended to the sketches file; each index entry rewritten."""
+        if not len(lengths):
+            return
+        self._sketches.write(np.ascontiguousarray(flat, dtype=self.dtype).tobytes())
+        size, itemsize = self._INDEX.itemsize, self.dtype.itemsize
+        offsets = self._sketches_end + itemsize * np.concatenate(([0], np.cumsum(lengths, dtype=np.uint64)[:-1]))
+        for pos, offset, length in zip(positions.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+            entry = self._entry(pos).copy()
+            entry["sketch_offset"], entry["sketch_len"] = offset, length * itemsize
+            os.pwrite(self._index.fileno(), entry.tobytes(), pos * size)
+        self._sketches_end += flat.size * itemsize
+
     def sketch(self, position: int) -> np.ndarray | None:
         """The sketch of a position (None for a document added without one)."""
         entry = self._entry(position)
@@ -185,6 +205,31 @@ class Partitions:
         for path in self._paths:
             path.unlink(missing_ok=True)
 
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The position of the entry holding each key (``(n, words)`` uint64, each held at most once), -1 where
+        none does. Reads each partition file with requested keys a bounded chunk at a time: memory stays the
+        requests' and one chunk's, however big the files."""
+        self.flush()
+        found = np.full(len(keys), -1, np.int64)
+        if not len(keys):
+            return found
+        keys = keys.reshape(len(keys), -1)
+        part = keys[:, 0] % np.uint64(len(self._paths))
+        as_bytes = _key_bytes(keys)
+        for p in np.unique(part).tolist():
+            if not self._paths[p].exists():
+                continue
+            asked = np.flatnonzero(part == p)
+            order = np.argsort(as_bytes[asked])
+            wanted = as_bytes[asked][order]
+            with open(self._paths[p], "rb") as file:
+                while len(chunk := np.fromfile(file, self._entry, count=self._max_sort_entries)):
+                    held = _key_bytes(chunk["key"])
+                    at = np.minimum(np.searchsorted(wanted, held), len(wanted) - 1)
+                    hit = wanted[at] == held
+                    found[asked[order[at[hit]]]] = chunk["pos"][hit].astype(np.int64)
+        return found
+
     def groups(self) -> Iterator[np.ndarray]:
         """The positions of every key held by two or more entries, at most ``max_sort_entries`` in memory at a
         time."""
@@ -226,6 +271,62 @@ class Partitions:
         ends = np.append(starts[1:], len(keys))
         for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
             yield positions[start:end]
+
+
+def _key_bytes(keys: np.ndarray) -> np.ndarray:
+    """Each (words,) uint64 key as one fixed-width byte string, compared and searched whole (no lexsort). Every
+    string is exactly ``8 * words`` bytes, so numpy's NUL padding of byte strings never makes two keys equal."""
+    keys = np.ascontiguousarray(keys)
+    return np.frombuffer(keys.tobytes(), f"S{keys.shape[1] * 8}")
+
+
+class BucketGroups:
+    """The shared buckets verification goes through, each its members' positions, on disk: found once, when the
+    shard lists the sketches it must fetch, then read back in the same order to verify, without sorting every
+    partition again. Appended a group at a time, buffered; read back a chunk of positions at a time."""
+
+    def __init__(self, directory: Path, buffer_entries: int = 1 << 16) -> None:
+        self._positions_path, self._lengths_path = directory / "groups.pos", directory / "groups.len"
+        self._positions: list[int] = []
+        self._lengths: list[int] = []
+        self._buffer_entries = buffer_entries
+        self.count = 0
+
+    def append(self, positions: Sequence[int]) -> None:
+        self._positions.extend(positions)
+        self._lengths.append(len(positions))
+        self.count += 1
+        if len(self._positions) >= self._buffer_entries:
+            self.flush()
+
+    def flush(self) -> None:
+        for path, values, dtype in (
+            (self._positions_path, self._positions, "<i8"),
+            (self._lengths_path, self._lengths, "<u4"),
+        ):
+            with open(path, "ab") as out:
+                np.asarray(values, dtype).tofile(out)
+            values.clear()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.flush()
+        if not self._lengths_path.exists():
+            return
+        lengths = np.fromfile(self._lengths_path, "<u4")  # 4 bytes a shared bucket: grows with the duplicates
+        with open(self._positions_path, "rb") as file:
+            buffer, at = np.empty(0, np.int64), 0
+            for length in lengths.tolist():
+                if at + length > len(buffer):
+                    rest = buffer[at:]
+                    more = np.fromfile(file, "<i8", count=max(length - len(rest), self._buffer_entries))
+                    buffer, at = np.concatenate([rest, more]), 0
+                yield buffer[at : at + length].tolist()
+                at += length
+
+    def remove(self) -> None:
+        self._positions, self._lengths = [], []
+        for path in (self._positions_path, self._lengths_path):
+            path.unlink(missing_ok=True)
 
 
 class NodeKeys:
