@@ -4,6 +4,12 @@ A :class:`BucketIndex` is a plain class: the executor runs ``num_index_actors`` 
 :func:`deduplicate` runs the same shards in-process, so tests, bench and executor share
 one code path. Exact keys are spread over the shards by hash and LSH bands by band index.
 
+Each document's verification sketch (most of its bytes) is stored once, at the shard that owns its key
+(:func:`sketch_owner`), not at every shard that holds one of its bands: with the default 20 bands that was every
+shard, so adding shards did not divide any shard's disk. Before verifying (:func:`verify_candidates`), each shard
+lists its shared buckets and fetches, from their owners, the sketches of the members it does not hold, a bounded
+chunk at a time; only candidates cross between shards.
+
 Clusters are the connected components of the edges all shards found. Rather than gathering every edge on one
 process, each document (graph node) is *owned* by one shard (by a stable hash of its key) and the shards run
 min-label propagation:

@@ -1,12 +1,13 @@
 """The dedup index's spill files: what grows with the corpus lives on the shard's local disk, not in its memory.
 
-An index shard appends each batch's documents (key and verification sketch) to one record file, and each
-(bucket key, document) entry to one of ``spill_partitions`` files chosen by the key. Verifying then reads one
-partition at a time: it sorts the partition by key and reads back, by position, only the members of buckets that
-hold two or more documents. A shard's resident memory is its write buffer plus one sorted partition, and a
-partition grown past ``max_sort_entries`` (a corpus too big for its ``spill_partitions``) is split on disk before
-it is sorted, so that memory stays bounded whatever the corpus; the in-memory index held every key, bucket and
-sketch.
+An index shard appends each batch's documents (key, and the verification sketch of those it owns) to one record
+file, and each (bucket key, document) entry to one of ``spill_partitions`` files chosen by the key. Verifying then
+reads one partition at a time: it sorts the partition by key and reads back, by position, only the members of
+buckets that hold two or more documents, which it lists (``BucketGroups``) while it fetches the sketches it lacks
+(``Partitions.find`` at their owner, ``DocRecords.attach`` here). A shard's resident memory is its write buffer
+plus one sorted partition, and a partition grown past ``max_sort_entries`` (a corpus too big for its
+``spill_partitions``) is split on disk before it is sorted, so that memory stays bounded whatever the corpus; the
+in-memory index held every key, bucket and sketch.
 
 Written here rather than taken from a library: datasketch's LSH keeps its tables in memory (or in Redis or
 Cassandra, a service to run), and datatrove's disk-sorted MinHash is bound to its own pipeline executor.
