@@ -133,9 +133,14 @@ def test_decisions_do_not_depend_on_the_partitions_and_a_retried_batch_changes_n
         assert shard_decisions(corpus, config, repeat=2) == reference
 
 
-def test_each_sketch_is_stored_once_at_its_owner_and_fetched_where_a_bucket_needs_it(ccnet_texts) -> None:
+@pytest.mark.parametrize("fetch_chunk", [dedup_index.FETCH_CHUNK, 2])
+def test_each_sketch_is_stored_once_at_its_owner_and_fetched_where_a_bucket_needs_it(
+    ccnet_texts, monkeypatch: pytest.MonkeyPatch, fetch_chunk: int
+) -> None:
     """Three shards, each owning some of every document's bands: a document's sketch is written to its owner's disk
-    alone, the shards fetch the sketches their shared buckets need from the owners, and decide as one shard does."""
+    alone, the shards fetch the sketches their shared buckets need from the owners, and decide as one shard does.
+    (fetch_chunk 2: one sketch per owner per round, many rounds.)"""
+    monkeypatch.setattr(dedup_index, "FETCH_CHUNK", fetch_chunk)
     texts = [t for t in ccnet_texts if len(t.split()) >= 100][:30]
     corpus = texts + [t.replace(" the ", " a ", 3) for t in texts[:8]]  # near copies
     config = DedupConfig(num_index_actors=3, exact={"enabled": False})

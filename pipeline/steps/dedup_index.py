@@ -714,8 +714,9 @@ class InProcess:
         return values
 
 
-# Sketches a shard asks one owner for per round: about 6.5 MB in flight per pair of shards with 400-hash sketches,
-# so a shard's memory does not grow with how many candidates it verifies.
+# Sketches a shard fetches per round, split evenly over the owners it asks (and so at most what an owner serves per
+# round): about 6.5 MB with 400-hash sketches, so that a shard's memory grows neither with how many candidates it
+# verifies nor with the number of shards.
 FETCH_CHUNK = 4096
 
 
@@ -739,8 +740,9 @@ def verify_candidates(shards: Sequence, calls: ShardCalls) -> None:
     document's sketch is stored once, at its owner: ``shard_part``), then verifies them."""
     n = len(shards)
     wanted = sum(calls.get(calls.each(shards, "collect_candidates", [(n,)] * n)))
+    per_owner = max(FETCH_CHUNK // max(n - 1, 1), 1)
     while wanted:
-        asked = _each_split(shards, calls, "ask_sketches", [(n, FETCH_CHUNK)] * n)
+        asked = _each_split(shards, calls, "ask_sketches", [(n, per_owner)] * n)
         answers = _exchange(shards, calls, asked, "serve_sketches", (), split=True)
         wanted = sum(calls.get(_exchange(shards, calls, answers, "take_sketches", ())))
     calls.get(calls.each(shards, "finalize", [()] * n))
