@@ -121,49 +121,61 @@ def number_of(key: str) -> int:
 class OtherShards:
     """What shards 1..n-1 hold and ask for, for shard 0's verification: from each batch the generator makes, the
     candidates (planted copies and their originals), their names, and the sketches of those another shard owns, in
-    a file (not this process's memory: it is shard 0's RSS that is measured)."""
+    files (not this process's memory, which is shard 0's RSS, measured); only the candidates' names and where their
+    sketches are, about 44 bytes a candidate, are read back into memory once every document is added."""
+
+    HELD = np.dtype([("name", "S16"), ("offset", "<u8"), ("length", "<u4")])
 
     def __init__(self, num_shards: int, directory: Path) -> None:
         self.num_shards = num_shards
-        self.file = open(directory / "other-shards.sketches", "wb+")  # noqa: SIM115 (closed by close())
+        self.paths = [directory / f"other-shards.{part}" for part in ("sketches", "held", "asks")]
+        self.sketches, self.held_file, self.asks_file = (open(path, "wb+") for path in self.paths)  # noqa: SIM115
         self.end = 0
-        self.ask_parts: list[np.ndarray] = []  # names of candidates shard 0 owns: what the others ask it for
-        self.held_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # names, file offsets, lengths
         self.seconds = 0.0  # time spent in the stand-ins, taken out of shard 0's
 
     def note(self, batch: dict, copies: dict[int, int], start: int) -> None:
         members = sorted({i - start for pair in copies.items() for i in pair})
         keys = [batch["doc_keys"][i].encode("utf-8") for i in members]
-        names = node_names(np.array(keys, dtype=bytes)) if keys else np.empty(0, "S16")
-        owners = np.array([sketch_owner(key, self.num_shards, batch["band_keys"].shape[1]) for key in keys], np.int64)
-        self.ask_parts.append(names[owners == 0])
+        if not keys:
+            return
+        names = node_names(np.array(keys, dtype=bytes))
+        bands = batch["band_keys"].shape[1]
+        owners = np.array([sketch_owner(key, self.num_shards, bands) for key in keys], np.int64)
+        names[owners == 0].tofile(self.asks_file)  # what the others ask shard 0 for
         held = np.flatnonzero(owners != 0)
         sketches = [np.asarray(batch["sketches"][members[i]], np.uint32) for i in held.tolist()]
-        lengths = np.array([len(sketch) for sketch in sketches], np.int64)
-        offsets = self.end + 4 * (np.cumsum(lengths) - lengths)
+        entries = np.empty(len(held), self.HELD)
+        entries["name"] = names[held]
+        entries["length"] = [len(sketch) for sketch in sketches]
+        entries["offset"] = self.end + 4 * (np.cumsum(entries["length"], dtype=np.uint64) - entries["length"])
+        entries.tofile(self.held_file)
         if sketches:
-            self.file.write(np.concatenate(sketches).tobytes())
-            self.end += 4 * int(lengths.sum())
-        self.held_parts.append((names[held], offsets, lengths))
+            self.sketches.write(np.concatenate(sketches).tobytes())
+            self.end += 4 * int(entries["length"].sum())
 
     def shards(self) -> list[StandIn]:
-        self.asks = np.concatenate(self.ask_parts) if self.ask_parts else np.empty(0, "S16")
-        names, offsets, lengths = (np.concatenate(parts) for parts in zip(*self.held_parts, strict=True))
-        order = np.argsort(names)
-        self.names, self.offsets, self.lengths = names[order], offsets[order], lengths[order]
-        self.ask_parts, self.held_parts = [], []
+        for file in (self.sketches, self.held_file, self.asks_file):
+            file.flush()
+        self.asks = np.fromfile(self.paths[2], "S16")
+        held = np.fromfile(self.paths[1], self.HELD)
+        self.held = held[np.argsort(held["name"])]
         return [StandIn(self, j) for j in range(1, self.num_shards)]
 
     def sketches_of(self, names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        at = np.searchsorted(self.names, names)
-        if len(names) and not (self.names[np.minimum(at, len(self.names) - 1)] == names).all():
+        at = np.searchsorted(self.held["name"], names)
+        entries = self.held[np.minimum(at, len(self.held) - 1)] if len(self.held) else self.held[:0]
+        if len(names) and not (entries["name"] == names).all():
             raise RuntimeError("shard 0 asked for a sketch that is not a planted pair's (an accidental LSH collision)")
-        lengths = self.lengths[at]
         values = [
-            np.frombuffer(os.pread(self.file.fileno(), 4 * int(n), int(o)), np.uint32)
-            for o, n in zip(self.offsets[at].tolist(), lengths.tolist(), strict=True)
+            np.frombuffer(os.pread(self.sketches.fileno(), 4 * int(n), int(o)), np.uint32)
+            for o, n in zip(entries["offset"].tolist(), entries["length"].tolist(), strict=True)
         ]
-        return lengths.astype(np.uint32), np.concatenate(values) if values else np.empty(0, np.uint32)
+        return entries["length"].astype(np.uint32), np.concatenate(values) if values else np.empty(0, np.uint32)
+
+    def close(self) -> None:
+        for file, path in zip((self.sketches, self.held_file, self.asks_file), self.paths, strict=True):
+            file.close()
+            path.unlink(missing_ok=True)
 
 
 class StandIn:
@@ -233,8 +245,7 @@ def one_size(args: argparse.Namespace) -> dict:
     verify_candidates([shard, *(others.shards() if args.shards > 1 else [])], InProcess())
     label_clusters([shard], InProcess())  # the label propagation over shard 0's edges alone
     resolve_s = time.perf_counter() - t0 - others.seconds
-    others.file.close()
-    Path(others.file.name).unlink()
+    others.close()
     rss_resolved = rss_bytes()
     keys_dropped, _, keys_kept = shard.decision_arrays()  # what write_decisions writes
     # The shard's peak: the check below builds Python objects of every decision, which are the bench's own.

@@ -344,17 +344,22 @@ class BucketIndex:
         shard owns; returns how many sketches this shard must fetch before it can verify."""
         started = time.perf_counter()
         lacking = array("q")
+        wanted = np.empty(0, np.int64)
         shared = BucketGroups(self.spill_dir)
         needs_sketches = self.config.minhash.verify != "none"
         for positions in self._bands.groups():
             members = self._members(positions, lacking if needs_sketches else None)
             if len(members) > 1:
                 shared.append(members)
+            if len(lacking) >= _KEY_CHUNK:
+                # A candidate is in about as many shared buckets as it shares bands: kept once, as they come.
+                wanted = np.union1d(wanted, np.frombuffer(lacking, np.int64))
+                lacking = array("q")
         before = self.spilled_bytes()
         self._bands.remove()
         self._removed_bytes += before - self.spilled_bytes()
         self._shared = shared
-        wanted = np.unique(np.frombuffer(lacking, np.int64))
+        wanted = np.union1d(wanted, np.frombuffer(lacking, np.int64))
         del lacking
         owners = np.empty(len(wanted), np.int64)
         names = np.empty(len(wanted), "S16")

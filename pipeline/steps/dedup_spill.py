@@ -313,16 +313,16 @@ class BucketGroups:
         self.flush()
         if not self._lengths_path.exists():
             return
-        lengths = np.fromfile(self._lengths_path, "<u4")  # 4 bytes a shared bucket: grows with the duplicates
-        with open(self._positions_path, "rb") as file:
+        with open(self._lengths_path, "rb") as lengths_file, open(self._positions_path, "rb") as file:
             buffer, at = np.empty(0, np.int64), 0
-            for length in lengths.tolist():
-                if at + length > len(buffer):
-                    rest = buffer[at:]
-                    more = np.fromfile(file, "<i8", count=max(length - len(rest), self._buffer_entries))
-                    buffer, at = np.concatenate([rest, more]), 0
-                yield buffer[at : at + length].tolist()
-                at += length
+            while len(lengths := np.fromfile(lengths_file, "<u4", count=self._buffer_entries)):
+                for length in lengths.tolist():
+                    if at + length > len(buffer):
+                        rest = buffer[at:]
+                        more = np.fromfile(file, "<i8", count=max(length - len(rest), self._buffer_entries))
+                        buffer, at = np.concatenate([rest, more]), 0
+                    yield buffer[at : at + length].tolist()
+                    at += length
 
     def remove(self) -> None:
         self._positions, self._lengths = [], []
