@@ -75,11 +75,11 @@ def test_partitions_find_the_position_of_each_key_asked_for(tmp_path: Path, max_
     parts = Partitions(tmp_path, "s", 7, words=2, flush_entries=300, max_sort_entries=max_sort)
     parts.append(keys[:1500], np.arange(1500, dtype=np.uint64))
     parts.append(keys[:10], np.arange(10, dtype=np.uint64))  # a retried batch: the same keys at the same positions
-    asked = np.concatenate([keys[rng.permutation(1500)[:400]], keys[1500:1600]])  # 100 never added
+    asked = np.concatenate([keys[rng.permutation(1500)[:400]], keys[1500:1600], keys[:3]])  # 100 never added
     found = parts.find(asked)
     positions = {tuple(k): i for i, k in enumerate(keys[:1500].tolist())}
     assert found.tolist() == [positions.get(tuple(k), -1) for k in asked.tolist()]
-    assert (found[400:] == -1).all() and parts.find(keys[:0]).tolist() == []
+    assert (found[400:500] == -1).all() and found[500:].tolist() == [0, 1, 2] and parts.find(keys[:0]).tolist() == []
 
 
 def test_bucket_groups_read_back_every_group_in_order(tmp_path: Path) -> None:

@@ -207,29 +207,30 @@ class Partitions:
             path.unlink(missing_ok=True)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
-        """The position of the entry holding each key (``(n, words)`` uint64, each held at most once), -1 where
-        none does. Reads each partition file with requested keys a bounded chunk at a time: memory stays the
-        requests' and one chunk's, however big the files."""
+        """The position of an entry holding each key (``(n, words)`` uint64; a key asked for twice is found twice),
+        -1 where none does. Reads each partition file with requested keys once, a bounded chunk at a time: memory
+        stays the requests' and one chunk's, however big the files."""
         self.flush()
-        found = np.full(len(keys), -1, np.int64)
         if not len(keys):
-            return found
+            return np.full(0, -1, np.int64)
         keys = keys.reshape(len(keys), -1)
-        part = keys[:, 0] % np.uint64(len(self._paths))
-        as_bytes = _key_bytes(keys)
-        for p in np.unique(part).tolist():
+        unique, inverse = np.unique(_key_bytes(keys), return_inverse=True)
+        found = np.full(len(unique), -1, np.int64)
+        part = np.frombuffer(unique.tobytes(), "<u8").reshape(len(unique), -1)[:, 0] % np.uint64(len(self._paths))
+        order = np.argsort(part, kind="stable")  # by partition, each partition's keys still in byte order
+        bounds = np.searchsorted(part[order], np.arange(len(self._paths) + 1, dtype=np.uint64))
+        for p in np.flatnonzero(np.diff(bounds)).tolist():
             if not self._paths[p].exists():
                 continue
-            asked = np.flatnonzero(part == p)
-            order = np.argsort(as_bytes[asked])
-            wanted = as_bytes[asked][order]
+            asked = order[bounds[p] : bounds[p + 1]]
+            wanted = unique[asked]
             with open(self._paths[p], "rb") as file:
                 while len(chunk := np.fromfile(file, self._entry, count=self._max_sort_entries)):
                     held = _key_bytes(chunk["key"])
                     at = np.minimum(np.searchsorted(wanted, held), len(wanted) - 1)
                     hit = wanted[at] == held
-                    found[asked[order[at[hit]]]] = chunk["pos"][hit].astype(np.int64)
-        return found
+                    found[asked[at[hit]]] = chunk["pos"][hit].astype(np.int64)
+        return found[inverse.reshape(-1)]
 
     def groups(self) -> Iterator[np.ndarray]:
         """The positions of every key held by two or more entries, at most ``max_sort_entries`` in memory at a
