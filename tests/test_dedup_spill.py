@@ -59,7 +59,7 @@ def test_records_read_back_by_position(tmp_path: Path) -> None:
     first = records.append(["a\x00s3://b/x.wet\x000", "é-ü"], [np.array([3, 1], np.uint64), None])
     second = records.append(["c"], [np.arange(400, dtype=np.uint64)])
     assert first.tolist() == [0, 1] and second.tolist() == [2]
-    assert records.keys_of([2, 0, 1]) == ["c", "a\x00s3://b/x.wet\x000", "é-ü"]
+    assert records.keys_and_sketched([2, 0, 1]) == (["c", "a\x00s3://b/x.wet\x000", "é-ü"], [True, True, False])
     assert records.sketch(2).tolist() == list(range(400)) and records.sketch(0).tolist() == [3, 1]
     assert records.sketch(1) is None
     assert records.keys(np.array([1, 2])).tolist() == ["é-ü".encode(), b"c"]

@@ -370,7 +370,7 @@ class BucketIndex:
             names[begin : begin + len(keys)] = node_names(keys)
         # Asked for in the order of the owner's partition files: each round's names fall in a few of its files, and
         # the owner reads each file about once over all the rounds instead of every file every round.
-        order = np.argsort(_name_words(names)[:, 0] % np.uint64(self.config.spill_partitions), kind="stable")
+        order = np.argsort(self._sketch_names.partition_of(_name_words(names)), kind="stable")
         wanted, names, owners = wanted[order], names[order], owners[order]
         self._fetch = [(wanted[owners == j], names[owners == j]) for j in range(num_shards)]
         self._fetch_asked = [0] * num_shards

@@ -75,14 +75,6 @@ class DocRecords:
         self.count += len(keys)
         return positions
 
-    def keys_of(self, positions: Sequence[int] | np.ndarray) -> list[str]:
-        """The key of each position, read with positioned reads (no mapping: pages read here are the OS's cache,
-        not this process's resident memory)."""
-        return [
-            os.pread(self._keys.fileno(), int(entry["key_len"]), int(entry["key_offset"])).decode("utf-8")
-            for entry in map(self._entry, map(int, positions))
-        ]
-
     def keys_and_sketched(self, positions: Sequence[int] | np.ndarray) -> tuple[list[str], list[bool]]:
         """The key of each position and whether it has a sketch here, from one read of its index entry."""
         entries = [self._entry(int(pos)) for pos in positions]
@@ -186,13 +178,17 @@ class Partitions:
         if self._pending_entries >= self._flush_entries:
             self.flush()
 
+    def partition_of(self, keys: np.ndarray) -> np.ndarray:
+        """The partition file each ``(n, words)`` key goes to: its first word modulo the file count."""
+        return keys[:, 0] % np.uint64(len(self._paths))
+
     def flush(self) -> None:
         """Write the buffered entries, each to its partition's file (one append per file per flush)."""
         if not self._pending:
             return
         entries = np.concatenate(self._pending)
         self._pending, self._pending_entries = [], 0
-        part = entries["key"][:, 0] % np.uint64(len(self._paths))
+        part = self.partition_of(entries["key"])
         order = np.argsort(part, kind="stable")
         entries, part = entries[order], part[order]
         bounds = np.searchsorted(part, np.arange(len(self._paths) + 1, dtype=np.uint64))
@@ -216,7 +212,7 @@ class Partitions:
         keys = keys.reshape(len(keys), -1)
         unique, inverse = np.unique(_key_bytes(keys), return_inverse=True)
         found = np.full(len(unique), -1, np.int64)
-        part = np.frombuffer(unique.tobytes(), "<u8").reshape(len(unique), -1)[:, 0] % np.uint64(len(self._paths))
+        part = self.partition_of(np.frombuffer(unique.tobytes(), "<u8").reshape(len(unique), -1))
         order = np.argsort(part, kind="stable")  # by partition, each partition's keys still in byte order
         bounds = np.searchsorted(part[order], np.arange(len(self._paths) + 1, dtype=np.uint64))
         for p in np.flatnonzero(np.diff(bounds)).tolist():
@@ -292,12 +288,10 @@ class BucketGroups:
         self._positions: list[int] = []
         self._lengths: list[int] = []
         self._buffer_entries = buffer_entries
-        self.count = 0
 
     def append(self, positions: Sequence[int]) -> None:
         self._positions.extend(positions)
         self._lengths.append(len(positions))
-        self.count += 1
         if len(self._positions) >= self._buffer_entries:
             self.flush()
 
