@@ -12,7 +12,8 @@ half exact copies (the same exact key, signature and sketch), half near copies (
 hashes: Jaccard ≈ 0.9).
 
 Each size runs in a fresh process as one index shard of ``--shards``: shard 0, fed its bands, exact keys and the
-sketches it owns of every batch as a Ray actor of the pipeline's dedup pass is (``shard_part``), through the
+sketches it owns of every batch as a Ray actor of the pipeline's dedup pass is (``shard_parts``: the indexing
+task's split, not timed as the shard's), through the
 pipeline's own ``DedupConfig``, ``DedupKeys.band_keys``, ``BucketIndex``, ``verify_candidates`` and
 ``label_clusters``, in batches of ``--batch`` documents, with the allocator setting the executor gives its shard actors
 (``fix_mmap_threshold``; ``--default-malloc`` leaves it out, to measure what it buys). Sizes alternate their order
@@ -60,7 +61,7 @@ from pipeline.steps.dedup_index import (  # noqa: E402
     InProcess,
     label_clusters,
     node_names,
-    shard_part,
+    shard_parts,
     sketch_owner,
     verify_candidates,
 )
@@ -234,8 +235,9 @@ def one_size(args: argparse.Namespace) -> dict:
         original_of.append(np.fromiter(copies.values(), np.int64, len(copies)))
         if args.shards > 1:
             others.note(batch, copies, start)
+        # Splitting a batch into the shards' parts is the indexing task's work (file_tasks.index_keys), not the shard's.
+        part = shard_parts(batch, args.shards)[0]
         t1 = time.perf_counter()
-        part = shard_part(batch, 0, args.shards)
         owned += sum(sketch is not None for sketch in part["sketches"] or ())
         shard.add(**part)
         add_s += time.perf_counter() - t1

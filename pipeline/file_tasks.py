@@ -38,7 +38,7 @@ from pipeline.staging import RunPaths
 from pipeline.steps.base import Doc, Step, is_dropped
 from pipeline.steps.decontaminate import ContaminationIndex
 from pipeline.steps.dedup import DedupKeys, MarkDuplicates, doc_key, keyed_batch
-from pipeline.steps.dedup_index import shard_part
+from pipeline.steps.dedup_index import shard_parts
 from pipeline.steps.extract import check_stream_is_warc, corrupt_file_row, read_records
 from pipeline.steps.perplexity import (
     PerplexityBuckets,
@@ -256,7 +256,7 @@ def index_keys(batch: pa.Table, shards: list, config: PipelineConfig) -> int:
     )
     doc_keys = [doc_key(r) for r in alive.select(["warc_record_id", "source", "source_offset"]).to_pylist()]
     batch = keyed_batch(dedup, doc_keys, alive["exact_key"].to_pylist(), signatures, shingle_sets)
-    parts = [shard_part(batch, i, len(shards)) for i in range(len(shards))]
+    parts = shard_parts(batch, len(shards))
     try:
         ray.get([shard.add.remote(**part) for shard, part in zip(shards, parts, strict=True)])
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:

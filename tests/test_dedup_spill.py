@@ -22,7 +22,7 @@ from pipeline.steps.dedup_index import (
     InProcess,
     components,
     resolve_clusters,
-    shard_part,
+    shard_parts,
 )
 from pipeline.steps.dedup_spill import BucketGroups, DocRecords, Partitions
 
@@ -110,8 +110,8 @@ def shard_decisions(texts: list[str], config: DedupConfig, repeat: int = 1) -> d
     batch = keyed_batch(config, [doc_key(d) for d in docs], list(exact), np.stack(sigs), list(sketches))
     shards = [BucketIndex(i, config) for i in range(config.num_index_actors)]
     for _ in range(repeat):  # a retried task adds its batch again
-        for shard in shards:
-            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
+        for shard, part in zip(shards, shard_parts(batch, len(shards)), strict=True):
+            shard.add(**part)
     resolve_clusters(shards, InProcess())
     return {k: v for shard in shards for k, v in shard.decisions().items()}
 
@@ -150,7 +150,7 @@ def test_each_sketch_is_stored_once_at_its_owner_and_fetched_where_a_bucket_need
     batch = keyed_batch(config, [doc_key(d) for d in docs], list(exact), np.stack(sigs), list(sketches))
     shards = [BucketIndex(i, config) for i in range(3)]
     for shard in shards:
-        shard.add(**shard_part(batch, shard.shard_id, 3))
+        shard.add(**shard_parts(batch, 3)[shard.shard_id])
     stored = [(shard.spill_dir / "docs.sketches").stat().st_size for shard in shards]
     assert sum(stored) == sum(s.nbytes for s in sketches) and all(stored)  # every sketch once, spread out
     resolve_clusters(shards, InProcess())
@@ -172,7 +172,7 @@ def test_the_index_is_on_disk_until_it_finalizes_its_edges_keys_until_resolved_t
     batch = keyed_batch(config, [f"id-{i}" for i in range(20)], list(exact), np.stack(sigs), list(sketches))
     shard = BucketIndex(0, config)
     assert shard.spill_dir.parent == tmp_path
-    shard.add(**shard_part(batch, 0, 1))
+    shard.add(**shard_parts(batch, 1)[0])
     sketch_bytes = sum(s.nbytes for s in sketches)
     entries = 20 * (config.minhash.bands * 16 + 24)  # (band key, position) per band; (16-byte digest, position)
     assert shard.spilled_bytes() >= sketch_bytes + entries
@@ -195,7 +195,7 @@ def test_the_index_is_on_disk_until_it_finalizes_its_edges_keys_until_resolved_t
     assert shard.decisions() == {"id-18": ("dedup_exact", "id-0"), "id-19": ("dedup_exact", "id-1")}
 
     stopped = BucketIndex(1, config)  # a pass that failed before finalizing: the executor closes its shards
-    stopped.add(**shard_part(batch, 0, 1))
+    stopped.add(**shard_parts(batch, 1)[0])
     stopped.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -298,8 +298,8 @@ def test_each_cluster_keeps_its_lowest_key_whatever_the_chunk_of_keys_read_back(
     config = DedupConfig(num_index_actors=2, exact={"enabled": False}, minhash={"verify": "none"})
     shards = [BucketIndex(i, config) for i in range(2)]
     batch = {"doc_keys": keys, "exact_keys": None, "band_keys": np.array(buckets, np.uint64), "sketches": None}
-    for shard in shards:
-        shard.add(**shard_part(batch, shard.shard_id, 2))
+    for shard, part in zip(shards, shard_parts(batch, 2), strict=True):
+        shard.add(**part)
     resolve_clusters(shards, InProcess())
     decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
     assert len(expected) > 100 and decisions == expected

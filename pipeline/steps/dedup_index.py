@@ -233,7 +233,7 @@ class BucketIndex:
         self._records = DocRecords(self.spill_dir, np.uint32)  # a signature or a sketch (sketch_of): 32-bit values
         self._bands = Partitions(self.spill_dir, "band", config.spill_partitions)
         self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
-        # The sketches this shard owns (``shard_part``), by their document's name: what the other shards ask for.
+        # The sketches this shard owns (``shard_parts``), by their document's name: what the other shards ask for.
         self._sketch_names = Partitions(self.spill_dir, "sketch", config.spill_partitions, words=2)
         self._shared: BucketGroups | None = None  # the shared buckets, once listed (collect_candidates)
         # Per owner: the positions whose sketches this shard fetches from it, their names, and how many it has asked.
@@ -395,7 +395,7 @@ class BucketIndex:
             if (found < 0).any():
                 raise RuntimeError(
                     f"dedup index shard {self.shard_id}: {int((found < 0).sum())} of the sketches shard {shard} asked "
-                    "for are not here; every document's sketch is added to the shard that owns its key (shard_part)"
+                    "for are not here; every document's sketch is added to the shard that owns its key (shard_parts)"
                 )
             sketches = [self._records.sketch(position) for position in found.tolist()]
             held = [sketch for sketch in sketches if sketch is not None]  # an owner holds every sketch it owns
@@ -748,7 +748,7 @@ def _exchange(shards: Sequence, calls: ShardCalls, sent: list, method: str, lead
 
 def verify_candidates(shards: Sequence, calls: ShardCalls) -> None:
     """Every shard lists its shared buckets, fetches the sketches of their members that other shards own (each
-    document's sketch is stored once, at its owner: ``shard_part``), then verifies them."""
+    document's sketch is stored once, at its owner: ``shard_parts``), then verifies them."""
     n = len(shards)
     wanted = sum(calls.get(calls.each(shards, "collect_candidates", [(n,)] * n)))
     per_owner = max(FETCH_CHUNK // max(n - 1, 1), 1)
@@ -785,25 +785,35 @@ def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
     label_clusters(shards, calls)
 
 
-def shard_part(batch: dict, shard_id: int, num_shards: int) -> dict:
-    """The part of a keyed batch one index shard receives: exact keys by hash, LSH bands by band index."""
+def shard_parts(batch: dict, num_shards: int) -> list[dict]:
+    """The parts of a keyed batch the index shards receive, one per shard: exact keys by hash, LSH bands by band
+    index. Each key's owners are found once for all shards (n CRC-32s a document were one per shard)."""
     doc_keys = batch["doc_keys"]
-    exact = []
+    exact: list[list] = [[] for _ in range(num_shards)]
     if batch["exact_keys"] is not None:
-        exact = [
-            (k, e) for k, e in zip(doc_keys, batch["exact_keys"], strict=True) if owner_of(e, num_shards) == shard_id
-        ]
+        for k, e in zip(doc_keys, batch["exact_keys"], strict=True):
+            exact[owner_of(e, num_shards)].append((k, e))
     band_keys = batch["band_keys"]
-    bands = [] if band_keys is None else [b for b in range(band_keys.shape[1]) if b % num_shards == shard_id]
-    if not bands:
-        return {"exact": exact, "doc_keys": [], "band_keys": None, "sketches": None}
+    num_bands = 0 if band_keys is None else band_keys.shape[1]
     sketches = batch["sketches"]
-    if sketches is not None and num_shards > 1:
+    owners = None
+    if sketches is not None and num_shards > 1 and num_bands:
         # Each document's sketch goes to one shard, the owner of its key; the others fetch it only if it is a
         # candidate there (verify_candidates). A shard's disk then holds 1/n of the sketches, not all of them.
-        owners = (sketch_owner(key, num_shards, band_keys.shape[1]) for key in doc_keys)
-        sketches = [s if owner == shard_id else None for owner, s in zip(owners, sketches, strict=True)]
-    return {"exact": exact, "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": sketches}
+        owners = [sketch_owner(key, num_shards, num_bands) for key in doc_keys]
+    parts = []
+    for shard_id in range(num_shards):
+        bands = [b for b in range(num_bands) if b % num_shards == shard_id]
+        if not bands:
+            parts.append({"exact": exact[shard_id], "doc_keys": [], "band_keys": None, "sketches": None})
+            continue
+        owned = sketches
+        if owners is not None:
+            owned = [s if owner == shard_id else None for owner, s in zip(owners, sketches, strict=True)]
+        parts.append(
+            {"exact": exact[shard_id], "doc_keys": doc_keys, "band_keys": band_keys[:, bands], "sketches": owned}
+        )
+    return parts
 
 
 def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]:
@@ -815,8 +825,8 @@ def deduplicate(docs: list[Doc], config: DedupConfig | None = None) -> list[Doc]
     if alive:
         exact, sigs, shingle_sets = zip(*(keys.keys(d["text"]) for d in alive), strict=True)
         batch = keyed_batch(config, [doc_key(d) for d in alive], list(exact), np.stack(sigs), list(shingle_sets))
-        for shard in shards:
-            shard.add(**shard_part(batch, shard.shard_id, len(shards)))
+        for shard, part in zip(shards, shard_parts(batch, len(shards)), strict=True):
+            shard.add(**part)
     resolve_clusters(shards, InProcess())
     decisions = {k: v for shard in shards for k, v in shard.decisions().items()}
     return MarkDuplicates(decisions)(docs)
