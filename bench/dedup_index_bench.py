@@ -59,6 +59,7 @@ from pipeline.steps.dedup_index import (  # noqa: E402
     SHARD_MMAP_THRESHOLD,
     BucketIndex,
     InProcess,
+    ask_order,
     label_clusters,
     node_names,
     shard_parts,
@@ -127,9 +128,11 @@ class OtherShards:
 
     HELD = np.dtype([("name", "S16"), ("offset", "<u8"), ("length", "<u4")])
 
-    def __init__(self, num_shards: int, directory: Path) -> None:
-        self.num_shards = num_shards
-        self.paths = [directory / f"other-shards.{part}" for part in ("sketches", "held", "asks")]
+    def __init__(self, num_shards: int, parent: Path, spill_partitions: int) -> None:
+        self.num_shards, self.spill_partitions = num_shards, spill_partitions
+        # A directory of its own: two bench processes sharing a spill dir must not write into each other's files.
+        self.directory = Path(tempfile.mkdtemp(prefix="other-shards-", dir=parent))
+        self.paths = [self.directory / part for part in ("sketches", "held", "asks")]
         self.sketches, self.held_file, self.asks_file = (open(path, "wb+") for path in self.paths)  # noqa: SIM115
         self.end = 0
         self.seconds = 0.0  # time spent in the stand-ins, taken out of shard 0's
@@ -157,7 +160,8 @@ class OtherShards:
     def shards(self) -> list[StandIn]:
         for file in (self.sketches, self.held_file, self.asks_file):
             file.flush()
-        self.asks = np.fromfile(self.paths[2], "S16")
+        asks = np.fromfile(self.paths[2], "S16")
+        self.asks = asks[ask_order(asks, self.spill_partitions)]  # as a real shard asks (collect_candidates)
         held = np.fromfile(self.paths[1], self.HELD)
         self.held = held[np.argsort(held["name"])]
         return [StandIn(self, j) for j in range(1, self.num_shards)]
@@ -177,6 +181,7 @@ class OtherShards:
         for file, path in zip((self.sketches, self.held_file, self.asks_file), self.paths, strict=True):
             file.close()
             path.unlink(missing_ok=True)
+        self.directory.rmdir()
 
 
 class StandIn:
@@ -219,7 +224,7 @@ def one_size(args: argparse.Namespace) -> dict:
     config = DedupConfig(num_index_actors=args.shards, spill_dir=args.spill_dir)
     keys = DedupKeys(config)
     shard = BucketIndex(0, config, own_process=not args.default_malloc)
-    others = OtherShards(args.shards, shard.spill_dir.parent)
+    others = OtherShards(args.shards, shard.spill_dir.parent, config.spill_partitions)
     rss_at_start = rss_bytes()
     # The planted pairs as two number arrays (not a dict of keys: the bench's own memory stays out of the RSS).
     copy_of: list[np.ndarray] = []

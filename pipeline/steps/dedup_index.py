@@ -64,7 +64,7 @@ from pipeline.steps.dedup import (
     jaccard,
     keyed_batch,
 )
-from pipeline.steps.dedup_spill import NO_KEYS, BucketGroups, DocRecords, NodeKeys, Partitions
+from pipeline.steps.dedup_spill import NO_KEYS, BucketGroups, DocRecords, NodeKeys, Partitions, partition_of
 
 KINDS = ("exact", "near")  # exact clusters first; near clusters over exact + verified near edges
 DECISION_SCHEMA = pa.schema(
@@ -179,6 +179,13 @@ def node_names(keys: np.ndarray) -> np.ndarray:
 def _name_words(names: np.ndarray) -> np.ndarray:
     """16-byte names as (n, 2) uint64 keys for a spill ``Partitions``."""
     return np.frombuffer(np.ascontiguousarray(names, "S16").tobytes(), "<u8").reshape(-1, 2)
+
+
+def ask_order(names: np.ndarray, spill_partitions: int) -> np.ndarray:
+    """The order in which to ask an owner for sketches by their documents' names: by the owner's lookup file of each
+    name (its ``Partitions("sketch")``, ``spill_partitions`` files). A round's names then fall in a few of its files,
+    and the owner reads each file about once over all the rounds instead of every file every round."""
+    return np.argsort(partition_of(_name_words(names), spill_partitions), kind="stable")
 
 
 def owners_of_names(names: np.ndarray, num_shards: int) -> np.ndarray:
@@ -368,9 +375,7 @@ class BucketIndex:
             keys = self._records.keys(wanted[begin : begin + _KEY_CHUNK])
             owners[begin : begin + len(keys)] = [sketch_owner(key, num_shards, bands) for key in keys]
             names[begin : begin + len(keys)] = node_names(keys)
-        # Asked for in the order of the owner's partition files: each round's names fall in a few of its files, and
-        # the owner reads each file about once over all the rounds instead of every file every round.
-        order = np.argsort(self._sketch_names.partition_of(_name_words(names)), kind="stable")
+        order = ask_order(names, self.config.spill_partitions)
         wanted, names, owners = wanted[order], names[order], owners[order]
         self._fetch = [(wanted[owners == j], names[owners == j]) for j in range(num_shards)]
         self._fetch_asked = [0] * num_shards

@@ -179,8 +179,8 @@ class Partitions:
             self.flush()
 
     def partition_of(self, keys: np.ndarray) -> np.ndarray:
-        """The partition file each ``(n, words)`` key goes to: its first word modulo the file count."""
-        return keys[:, 0] % np.uint64(len(self._paths))
+        """The partition file each ``(n, words)`` key goes to (``partition_of``)."""
+        return partition_of(keys, len(self._paths))
 
     def flush(self) -> None:
         """Write the buffered entries, each to its partition's file (one append per file per flush)."""
@@ -269,6 +269,11 @@ class Partitions:
         ends = np.append(starts[1:], len(keys))
         for start, end in zip(starts[ends - starts > 1].tolist(), ends[ends - starts > 1].tolist(), strict=True):
             yield positions[start:end]
+
+
+def partition_of(keys: np.ndarray, count: int) -> np.ndarray:
+    """The partition file of ``count`` that each ``(n, words)`` key goes to: its first word modulo the count."""
+    return keys[:, 0] % np.uint64(count)
 
 
 def _key_bytes(keys: np.ndarray) -> np.ndarray:
