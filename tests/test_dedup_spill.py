@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from pipeline.steps import dedup_index
+from pipeline.steps import dedup_index, dedup_spill
 from pipeline.steps.dedup import DedupConfig, DedupKeys, doc_key, keyed_batch
 from pipeline.steps.dedup_index import (
     SPILL_PREFIX,
@@ -103,6 +104,50 @@ def test_records_take_the_sketches_fetched_for_them(tmp_path: Path) -> None:
     records.close()
 
 
+def test_records_are_written_behind_the_appends_and_read_after_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk stands still (every write waits on ``disk``): appends still return, PENDING_WRITES of them, then the
+    next one waits; once the disk moves, a read sees every batch."""
+    disk = threading.Event()
+    real_write = dedup_spill.write_fully
+
+    def held_write(fd: int, data: bytes, offset: int) -> None:
+        assert disk.wait(60), "the disk was never let go"
+        real_write(fd, data, offset)
+
+    monkeypatch.setattr(dedup_spill, "write_fully", held_write)
+    records = DocRecords(tmp_path, np.uint32)
+    batches = [[f"doc-{b}-{i}" for i in range(3)] for b in range(dedup_spill.PENDING_WRITES + 1)]
+    for batch in batches[:-1]:
+        appended = threading.Thread(target=records.append, args=(batch, None), daemon=True)
+        appended.start()
+        appended.join(10)
+        assert not appended.is_alive(), "an append waited for the disk although fewer batches than the bound waited"
+    last = threading.Thread(target=records.append, args=(batches[-1], None), daemon=True)
+    last.start()
+    last.join(0.5)
+    assert last.is_alive(), "more batches than PENDING_WRITES were left waiting for the disk"
+    disk.set()
+    last.join(10)
+    assert not last.is_alive()
+    keys, sketched = records.keys_and_sketched(np.arange(3 * len(batches)))
+    assert keys == [key for batch in batches for key in batch] and not any(sketched)
+    records.close()
+
+
+def test_a_failed_spill_write_is_raised_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(fd: int, data: bytes, offset: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dedup_spill, "write_fully", full_disk)
+    records = DocRecords(tmp_path, np.uint32)
+    records.append(["a", "b"], None)
+    with pytest.raises(OSError, match="No space left"):
+        records.keys_and_sketched([0, 1])
+    records.close()
+
+
 def shard_decisions(texts: list[str], config: DedupConfig, repeat: int = 1) -> dict[str, tuple[str, str]]:
     keys = DedupKeys(config)
     docs = [{"warc_record_id": f"id-{i:03d}", "text": t} for i, t in enumerate(texts)]
@@ -151,6 +196,7 @@ def test_each_sketch_is_stored_once_at_its_owner_and_fetched_where_a_bucket_need
     shards = [BucketIndex(i, config) for i in range(3)]
     for shard in shards:
         shard.add(**shard_parts(batch, 3)[shard.shard_id])
+        shard.spilled_bytes()  # waits for the shard's writes, which a thread of its own makes
     stored = [(shard.spill_dir / "docs.sketches").stat().st_size for shard in shards]
     assert sum(stored) == sum(s.nbytes for s in sketches) and all(stored)  # every sketch once, spread out
     resolve_clusters(shards, InProcess())

@@ -493,6 +493,7 @@ class BucketIndex:
     def spilled_bytes(self) -> int:
         """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries), those it
         has removed since included."""
+        self._records.settle()
         self._bands.flush()
         self._exact.flush()
         self._sketch_names.flush()

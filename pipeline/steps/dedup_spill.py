@@ -16,7 +16,9 @@ Cassandra, a service to run), and datatrove's disk-sorted MinHash is bound to it
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,22 @@ import numpy as np
 NO_KEYS = np.array([], dtype="S1")
 _MAX_SPLITS = 3  # a file still too big after three splits holds one key many times over: it is sorted as it is
 _NO_SKETCH = 0xFFFFFFFF  # a record's sketch length when the document was added without one
+# Batches of documents handed to a shard's writer thread and not yet written (DocRecords.append): what a shard holds
+# while its disk catches up, a few batches whatever the corpus.
+PENDING_WRITES = 4
+
+
+def write_fully(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write part of it)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_all(writes: list[tuple[int, bytes, int]]) -> None:
+    for fd, data, offset in writes:
+        write_fully(fd, data, offset)
 
 
 class DocRecords:
@@ -43,13 +61,19 @@ class DocRecords:
     _INDEX = np.dtype([("key_offset", "<u8"), ("sketch_offset", "<u8"), ("key_len", "<u4"), ("sketch_len", "<u4")])
 
     def __init__(self, directory: Path, sketch_dtype: np.dtype | type) -> None:
-        # Unbuffered: every write is in the OS's hands at once, so a read by position right after it sees it.
+        # Written by position (pwrite), unbuffered: once a write has returned, a read by position sees it.
         self._keys = open(directory / "docs.keys", "wb+", buffering=0)  # noqa: SIM115 (closed by close())
         self._sketches = open(directory / "docs.sketches", "wb+", buffering=0)  # noqa: SIM115
         self._index = open(directory / "docs.idx", "wb+", buffering=0)  # noqa: SIM115
         self._keys_end = self._sketches_end = 0
         self.count = 0
         self.dtype = np.dtype(sketch_dtype)
+        # Appends are written by a thread of their own. Once a shard's spill outgrows what the kernel lets stay
+        # dirty in the page cache (10.9 GB at 10⁷ synthetic documents, against 20% of this machine's 24 GiB), each
+        # write waits for the disk; the shard meanwhile takes its next batch. At most PENDING_WRITES batches wait,
+        # and every read waits for all of them first (``settle``).
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dedup-spill-writer")
+        self._pending: deque[Future] = deque()
 
     def append(self, keys: Sequence[str], sketches: Sequence[np.ndarray | None] | None) -> np.ndarray:
         """Write one batch of documents; returns their positions."""
@@ -67,9 +91,14 @@ class DocRecords:
             sketch_chunks.append(sketch_bytes)
             key_offset += len(key_bytes)
             sketch_offset += len(sketch_bytes)
-        self._keys.write(b"".join(key_chunks))
-        self._sketches.write(b"".join(sketch_chunks))
-        self._index.write(index.tobytes())
+        writes = [
+            (self._keys.fileno(), b"".join(key_chunks), self._keys_end),
+            (self._sketches.fileno(), b"".join(sketch_chunks), self._sketches_end),
+            (self._index.fileno(), index.tobytes(), self.count * self._INDEX.itemsize),
+        ]
+        while len(self._pending) >= PENDING_WRITES:
+            self._pending.popleft().result()
+        self._pending.append(self._writer.submit(_write_all, writes))
         self._keys_end, self._sketches_end = key_offset, sketch_offset
         positions = np.arange(self.count, self.count + len(keys), dtype=np.uint64)
         self.count += len(keys)
@@ -86,7 +115,8 @@ class DocRecords:
         ``i`` is ``flat``'s next ``lengths[i]`` values. Appended to the sketches file; each index entry rewritten."""
         if not len(lengths):
             return
-        self._sketches.write(np.ascontiguousarray(flat, dtype=self.dtype).tobytes())
+        self.settle()  # the index entries rewritten below are the appends'
+        write_fully(self._sketches.fileno(), np.ascontiguousarray(flat, dtype=self.dtype).tobytes(), self._sketches_end)
         size, itemsize = self._INDEX.itemsize, self.dtype.itemsize
         offsets = self._sketches_end + itemsize * np.concatenate(([0], np.cumsum(lengths, dtype=np.uint64)[:-1]))
         for pos, offset, length in zip(positions.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
@@ -128,13 +158,24 @@ class DocRecords:
         return entries
 
     def _entry(self, pos: int) -> np.void:
-        """A position's offsets and lengths from the index file."""
+        """A position's offsets and lengths from the index file (every read starts here: it settles the writes)."""
+        if self._pending:
+            self.settle()
         size = self._INDEX.itemsize
         return np.frombuffer(os.pread(self._index.fileno(), size, pos * size), self._INDEX)[0]
 
+    def settle(self) -> None:
+        """Wait for every append handed to the writer thread; a write that failed (a full disk) raises here."""
+        while self._pending:
+            self._pending.popleft().result()
+
     def close(self) -> None:
-        for file in (self._keys, self._sketches, self._index):
-            file.close()
+        try:
+            self.settle()
+        finally:
+            self._writer.shutdown()
+            for file in (self._keys, self._sketches, self._index):
+                file.close()
 
     def remove(self) -> None:
         """Close and delete the files (verification is over: the shard goes on with its graph)."""
