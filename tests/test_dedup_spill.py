@@ -146,6 +146,13 @@ def test_a_failed_spill_write_is_raised_not_lost(tmp_path: Path, monkeypatch: py
     with pytest.raises(OSError, match="No space left"):
         records.keys_and_sketched([0, 1])
     records.close()
+    # A shard whose last write failed says so when it is closed, and its spill files still go.
+    shard = BucketIndex(0, DedupConfig(num_index_actors=1, spill_dir=str(tmp_path)))
+    batch = {"doc_keys": ["a", "b"], "exact_keys": None, "band_keys": np.ones((2, 20), np.uint64), "sketches": None}
+    shard.add(**shard_parts(batch, 1)[0])
+    with pytest.raises(OSError, match="No space left"):
+        shard.close()
+    assert not shard.spill_dir.exists()
 
 
 def shard_decisions(texts: list[str], config: DedupConfig, repeat: int = 1) -> dict[str, tuple[str, str]]:

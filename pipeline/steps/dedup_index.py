@@ -502,9 +502,11 @@ class BucketIndex:
 
     def close(self) -> None:
         """Remove the spill files (the executor calls it before killing a shard that did not resolve; a shard
-        that did has removed them)."""
-        self._records.close()
-        self._removal()
+        that did has removed them), even where the last of its writes failed (which ``close`` raises)."""
+        try:
+            self._records.close()
+        finally:
+            self._removal()
 
     # ---- min-label propagation (see the module docstring) ----
     # Names cross between shards once, for the owners to give each node an integer id; keys cross once, for each

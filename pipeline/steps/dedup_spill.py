@@ -4,8 +4,9 @@ An index shard appends each batch's documents (key, and the verification sketch 
 file, and each (bucket key, document) entry to one of ``spill_partitions`` files chosen by the key. Verifying then
 reads one partition at a time: it sorts the partition by key and reads back, by position, only the members of
 buckets that hold two or more documents, which it lists (``BucketGroups``) while it fetches the sketches it lacks
-(``Partitions.find`` at their owner, ``DocRecords.attach`` here). A shard's resident memory is its write buffer
-plus one sorted partition, and a partition grown past ``max_sort_entries`` (a corpus too big for its
+(``Partitions.find`` at their owner, ``DocRecords.attach`` here). A shard's resident memory is its write buffers
+(the bucket entries not yet flushed, and up to ``PENDING_WRITES`` batches of documents its writer thread has yet to
+write) plus one sorted partition, and a partition grown past ``max_sort_entries`` (a corpus too big for its
 ``spill_partitions``) is split on disk before it is sorted, so that memory stays bounded whatever the corpus; the
 in-memory index held every key, bucket and sketch.
 
