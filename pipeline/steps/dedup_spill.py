@@ -77,7 +77,8 @@ class DocRecords:
         self._pending: deque[Future] = deque()
 
     def append(self, keys: Sequence[str], sketches: Sequence[np.ndarray | None] | None) -> np.ndarray:
-        """Write one batch of documents; returns their positions."""
+        """Hand one batch of documents to the writer thread (waiting first while ``PENDING_WRITES`` batches are still
+        unwritten; a failed write is raised here or at the next read); returns their positions."""
         index = np.empty(len(keys), self._INDEX)
         key_chunks: list[bytes] = []
         sketch_chunks: list[bytes] = []
