@@ -119,16 +119,18 @@ def test_records_are_written_behind_the_appends_and_read_after_them(
     monkeypatch.setattr(dedup_spill, "write_fully", held_write)
     records = DocRecords(tmp_path, np.uint32)
     batches = [[f"doc-{b}-{i}" for i in range(3)] for b in range(dedup_spill.PENDING_WRITES + 1)]
-    for batch in batches[:-1]:
-        appended = threading.Thread(target=records.append, args=(batch, None), daemon=True)
-        appended.start()
-        appended.join(10)
-        assert not appended.is_alive(), "an append waited for the disk although fewer batches than the bound waited"
-    last = threading.Thread(target=records.append, args=(batches[-1], None), daemon=True)
-    last.start()
-    last.join(0.5)
-    assert last.is_alive(), "more batches than PENDING_WRITES were left waiting for the disk"
-    disk.set()
+    try:
+        for batch in batches[:-1]:
+            appended = threading.Thread(target=records.append, args=(batch, None), daemon=True)
+            appended.start()
+            appended.join(10)
+            assert not appended.is_alive(), "an append waited for the disk though fewer batches than the bound waited"
+        last = threading.Thread(target=records.append, args=(batches[-1], None), daemon=True)
+        last.start()
+        last.join(0.5)
+        assert last.is_alive(), "more batches than PENDING_WRITES were left waiting for the disk"
+    finally:
+        disk.set()  # a failed check leaves no writer waiting
     last.join(10)
     assert not last.is_alive()
     keys, sketched = records.keys_and_sketched(np.arange(3 * len(batches)))
