@@ -221,17 +221,13 @@ class Partitions:
         if self._pending_entries >= self._flush_entries:
             self.flush()
 
-    def partition_of(self, keys: np.ndarray) -> np.ndarray:
-        """The partition file each ``(n, words)`` key goes to (``partition_of``)."""
-        return partition_of(keys, len(self._paths))
-
     def flush(self) -> None:
         """Write the buffered entries, each to its partition's file (one append per file per flush)."""
         if not self._pending:
             return
         entries = np.concatenate(self._pending)
         self._pending, self._pending_entries = [], 0
-        part = self.partition_of(entries["key"])
+        part = partition_of(entries["key"], len(self._paths))
         order = np.argsort(part, kind="stable")
         entries, part = entries[order], part[order]
         bounds = np.searchsorted(part, np.arange(len(self._paths) + 1, dtype=np.uint64))
@@ -255,7 +251,7 @@ class Partitions:
         keys = keys.reshape(len(keys), -1)
         unique, inverse = np.unique(_key_bytes(keys), return_inverse=True)
         found = np.full(len(unique), -1, np.int64)
-        part = self.partition_of(np.frombuffer(unique.tobytes(), "<u8").reshape(len(unique), -1))
+        part = partition_of(np.frombuffer(unique.tobytes(), "<u8").reshape(len(unique), -1), len(self._paths))
         order = np.argsort(part, kind="stable")  # by partition, each partition's keys still in byte order
         bounds = np.searchsorted(part[order], np.arange(len(self._paths) + 1, dtype=np.uint64))
         for p in np.flatnonzero(np.diff(bounds)).tolist():
