@@ -103,6 +103,18 @@ class IndexSizes:
         self.metrics.index_sizes(ray.get([s.size.remote() for s in self.shards]))
 
 
+def file_pass(items: list[dict], fn: Callable, fn_kwargs: dict, actors: dict | None = None) -> ray.data.Dataset:
+    """One pass's dataset: ``fn`` once per item (an input file), each item a block of its own so that each is one
+    task; ``actors`` as in ``PipelineRun._map_files``."""
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map(fn, fn_kwargs=fn_kwargs, **(actors or {}))
+    # Ray Data reserves a share of the CPUs for each operator by default, here the input buffer and the map. On 2
+    # CPUs that held the map to one task at a time for most of a pass while the other CPU idled: 1.2 tasks running
+    # on average for 0.4 s tasks, 1.8 for 2.5 s ones (bench/ray_data_concurrency.py). A pass is that one map, so
+    # there is nothing to reserve for. Set on this dataset's own context, not on the process's.
+    ds.context.op_resource_reservation_enabled = False
+    return ds
+
+
 def lost_to_a_node(err: BaseException) -> str | None:
     """What was lost, when ``err`` comes from a lost node (a dead actor, a lost object), however deeply Ray and
     Ray Data wrapped it; None for any other error."""
@@ -237,9 +249,7 @@ class PipelineRun:
         self.metrics.pass_started(name, len(todo))
         with PassProgress(self.console, name, len(items), total_bytes, len(summaries), done_bytes) as bar:
             if todo:
-                ds = ray.data.from_items(todo, override_num_blocks=len(todo)).map(
-                    fn, fn_kwargs=fn_kwargs, **(actors or {})
-                )
+                ds = file_pass(todo, fn, fn_kwargs, actors)
                 # The Ray dashboard lists datasets by name: this one says which pass and run it is.
                 ds.set_name(ascii_label(f"raylm {name} ({PASS_STEPS[name]}) for {self.name}"))
                 for row in ds.iter_rows():

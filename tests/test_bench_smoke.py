@@ -328,6 +328,13 @@ def test_language_prefix_bench_smoke():
     assert "| prefix (chars) | time / whole text" in proc.stdout and "| 1,000 | " in proc.stdout
 
 
+def test_ray_data_concurrency_bench_smoke():
+    proc = run_script(str(BENCH / "ray_data_concurrency.py"), "--tasks", "4", "--seconds", "0.05", "--rounds", "1")
+    assert "| map | wall, s | tasks running on average |" in proc.stdout, proc.stdout
+    assert "| pipeline's map | " in proc.stdout and "| Ray Data defaults | " in proc.stdout, proc.stdout
+    assert "Ray Data defaults' wall / the pipeline map's wall, per round: " in proc.stdout, proc.stdout
+
+
 def test_quality_speed_bench_smoke():
     # The other side is this tree's own step loaded from its file: the same work, so no output may differ.
     proc = run_script(

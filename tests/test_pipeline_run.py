@@ -22,7 +22,7 @@ from wet_builder import article, record_id, write_wet
 
 from pipeline.config import PipelineConfig, load_config
 from pipeline.errors import PipelineInputError, PipelineOutputError
-from pipeline.executor import run_pipeline
+from pipeline.executor import file_pass, run_pipeline
 from pipeline.metrics import PipelineMetrics
 from pipeline.steps.quality import QualityFilter
 
@@ -260,6 +260,28 @@ def test_planted_duplicates_across_files_languages_and_bad_documents(tmp_path, c
     all_docs = {record_id(n) for n in ("a0", "a1", "a2", "b0", "b1", "b2", "fr", "latin1", "short")}
     assert kept == all_docs - set(expect)
     assert report["input"]["records"] == 11  # 9 documents + 2 warcinfo
+
+
+def test_a_pass_runs_its_files_on_every_cpu_at_once(tmp_path):
+    # On this module's 2-CPU Ray the two tasks of a pass start together. With Ray Data's default operator
+    # reservation the map ran one task and held the other about a second, until its resource budget was next
+    # updated, so the first waited out its half second alone.
+    def meet(item: dict, directory: str, within_s: float) -> dict:
+        # Defined here so that Ray ships it by value (the workers cannot import this test module).
+        Path(directory, f"started-{item['index']}").touch()
+        deadline = time.monotonic() + within_s
+        while len(list(Path(directory).glob("started-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return {"index": item["index"], "met": len(list(Path(directory).glob("started-*"))) == 2}
+
+    pairs = [tmp_path / "warm-up", tmp_path / "pass"]
+    for directory in pairs:
+        directory.mkdir()
+    two = [{"index": 0}, {"index": 1}]
+    list(file_pass(two, meet, {"directory": str(pairs[0]), "within_s": 30.0}).iter_rows())  # both workers up
+    rows = list(file_pass(two, meet, {"directory": str(pairs[1]), "within_s": 0.5}).iter_rows())
+    assert sorted(r["index"] for r in rows) == [0, 1]
+    assert all(r["met"] for r in rows), f"the two tasks ran one after the other: {rows}"
 
 
 def test_empty_glob_is_a_clear_error(tmp_path):
