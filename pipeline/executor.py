@@ -108,7 +108,7 @@ def file_pass(items: list[dict], fn: Callable, fn_kwargs: dict, actors: dict | N
     task; ``actors`` as in ``PipelineRun._map_files``."""
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map(fn, fn_kwargs=fn_kwargs, **(actors or {}))
     # Ray Data reserves a share of the CPUs for each operator by default, here the input buffer and the map. On 2
-    # CPUs that held the map to one task at a time for most of a pass while the other CPU idled: 1.2 tasks running
+    # CPUs that held the map to one task at a time for much of a pass while the other CPU idled: 1.4 tasks running
     # on average for 0.4 s tasks, 1.8 for 2.5 s ones (bench/ray_data_concurrency.py). A pass is that one map, so
     # there is nothing to reserve for. Set on this dataset's own context, not on the process's.
     ds.context.op_resource_reservation_enabled = False
