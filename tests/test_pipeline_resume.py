@@ -2,6 +2,7 @@
 output byte-identical to an uninterrupted run, whichever pass the kill lands in (filter, dedup, tokenize, pack); a
 resume with another config or input list is refused."""
 
+import contextlib
 import os
 import re
 import signal
@@ -66,12 +67,16 @@ def run_and_kill(args: list[str], out: Path, in_pass: str, count: int) -> str:
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None and not flag.exists():
-        time.sleep(0.05)
-    assert flag.exists() and proc.poll() is None, f"the run did not reach {count} of {in_pass} (rc {proc.poll()})"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not flag.exists():
+            time.sleep(0.05)
+        assert flag.exists() and proc.poll() is None, f"the run did not reach {count} of {in_pass} (rc {proc.poll()})"
+    finally:
+        # Whatever the check found: a run that never reached the hold is not left running with its Ray.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not (out / "manifest.json").exists()  # not published
     return log.read_text()
 
