@@ -349,7 +349,8 @@ def test_quality_speed_bench_smoke():
     assert "| side | ms per document, median [IQR] |" in proc.stdout, proc.stdout
     kept = re.search(r"^(\d+) documents into the quality step", proc.stdout, re.M)
     assert kept and int(kept.group(1)) > 0, proc.stdout
-    assert f"documents whose output differs: 0 of {kept.group(1)}" in proc.stdout, proc.stdout
+    assert f"documents whose decision differs (kept, drop reason, text): 0 of {kept.group(1)}" in proc.stdout
+    assert f"documents whose output differs at all (signals too): 0 of {kept.group(1)}" in proc.stdout, proc.stdout
 
 
 # bench/recovery_pipeline_bench.py's smoke round runs on the multi-node cluster of tests/test_cluster_data_path.py

@@ -520,6 +520,45 @@ def test_real_commoncrawl_head_docs() -> None:
     assert sum(drop_reasons(docs, "quality").values()) + len(kept) == len(docs)
 
 
+def _family_of_signal() -> dict[str, int]:
+    """Each signal's family, by its position in the evaluation order (RULE_FAMILIES)."""
+    return {rule.signal: i for i, family in enumerate(RULE_FAMILIES) for rule in family.rules}
+
+
+def test_by_default_a_dropped_document_stops_at_its_family_and_is_decided_as_with_all_signals() -> None:
+    with gzip.open(CC_SAMPLE, "rt", encoding="utf-8") as fh:
+        texts = [json.loads(line)["text"] for line in fh]
+    # The real pages and one document that each rule drops under the published defaults.
+    texts += [_build(reason) for reason, _, base in CASES if not base]
+    full = [{"id": str(i), "text": t} for i, t in enumerate(texts)]
+    short = [{"id": str(i), "text": t} for i, t in enumerate(texts)]
+    QualityFilter(QualityConfig(signals="all"))(full)
+    QualityFilter()(short)  # the default: signals until_drop
+    family_of = _family_of_signal()
+    families = {rule.reason: i for i, family in enumerate(RULE_FAMILIES) for rule in family.rules}
+    skipped = 0
+    for a, b in zip(full, short, strict=True):
+        assert (b.get("reason"), b["text"]) == (a.get("reason"), a["text"])
+        if a.get("reason") is None:
+            assert b == a  # a kept document carries every signal either way
+            continue
+        last = families[a["reason"]]
+        for name in QUALITY_SIGNALS:
+            if family_of[name] <= last:
+                assert b[name] == a[name], (a["reason"], name)
+            else:
+                assert b[name] is None, (a["reason"], name)
+                skipped += a[name] is not None
+    # Every family ends some document's signals here, and the later families' signals were left out.
+    assert {families[d["reason"]] for d in full if d.get("reason")} >= set(range(len(RULE_FAMILIES) - 1))
+    assert skipped > 0
+
+
+def test_signals_setting_is_checked() -> None:
+    with pytest.raises(ValidationError, match="signals"):
+        QualityConfig.model_validate({"signals": "some"})
+
+
 # --- the rule tables --------------------------------------------------------------------------------------
 
 RULES = [rule for family in RULE_FAMILIES for rule in family.rules]
