@@ -639,10 +639,11 @@ def quality_signals(text: str, config: QualityConfig) -> dict[str, float | None]
 
 
 class QualityFilter(Step):
-    """Writes every :data:`QUALITY_SIGNALS` column, drops with the first failing rule, applies C4 line edits."""
+    """Writes the :data:`QUALITY_SIGNALS` columns (a dropped document's up to the family that drops it, unless
+    ``signals: all``), drops with the first failing rule, applies C4 line edits."""
 
     name = "quality"
-    summary = "Gopher, C4 and FineWeb rules; sets every rule's signal, drops with the first failing rule"
+    summary = "Gopher, C4 and FineWeb rules; sets the rules' signals, drops with the first failing rule"
     columns = tuple(pa.field(signal, pa.float64()) for signal in QUALITY_SIGNALS)
     config_model = QualityConfig
 
