@@ -14,9 +14,9 @@ Which text each family measures:
 The families are computed in evaluation order and, by default (``QualityConfig.signals = "until_drop"``), the
 family whose rule drops a document is the last one computed for it: the later families' signals are ``None``.
 With ``signals = "all"`` every signal is computed for every document, dropped ones included, so rejected rows can
-be analysed and thresholds tuned. A disabled family's signals are ``None`` (its cost is skipped). The C4 line rewrite of
-``doc["text"]`` is applied only to documents that survive every rule, so rejected rows keep the text that
-was judged.
+be analysed and thresholds tuned. A disabled family's signals are ``None`` (its cost is skipped). The C4 line
+rewrite of ``doc["text"]`` is applied only to documents that survive every rule, so rejected rows keep the text
+that was judged.
 
 Each family is a table of :class:`Rule` rows (reason, signal, comparison, config field, source), written once:
 :func:`first_failed_rule` evaluates the rows in order, :data:`QUALITY_REASONS` and :data:`QUALITY_SIGNALS` (the
