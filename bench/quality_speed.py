@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            elapsed, outputs[name] = timed(sides[name][0], docs, sides[name][1])
+            module, signals = sides[name]
+            elapsed, outputs[name] = timed(module, docs, signals)
             seconds[name].append(elapsed)
     chars = sum(len(d["text"]) for d in docs)
     print(f"{len(docs)} documents into the quality step from {args.input}, mean {chars / len(docs):,.0f} characters,")

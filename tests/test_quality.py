@@ -520,11 +520,6 @@ def test_real_commoncrawl_head_docs() -> None:
     assert sum(drop_reasons(docs, "quality").values()) + len(kept) == len(docs)
 
 
-def _family_of_signal() -> dict[str, int]:
-    """Each signal's family, by its position in the evaluation order (RULE_FAMILIES)."""
-    return {rule.signal: i for i, family in enumerate(RULE_FAMILIES) for rule in family.rules}
-
-
 def test_by_default_a_dropped_document_stops_at_its_family_and_is_decided_as_with_all_signals() -> None:
     with gzip.open(CC_SAMPLE, "rt", encoding="utf-8") as fh:
         texts = [json.loads(line)["text"] for line in fh]
@@ -534,7 +529,8 @@ def test_by_default_a_dropped_document_stops_at_its_family_and_is_decided_as_wit
     short = [{"id": str(i), "text": t} for i, t in enumerate(texts)]
     QualityFilter(QualityConfig(signals="all"))(full)
     QualityFilter()(short)  # the default: signals until_drop
-    family_of = _family_of_signal()
+    # Each signal's and each reason's family, by its position in the evaluation order.
+    family_of = {rule.signal: i for i, family in enumerate(RULE_FAMILIES) for rule in family.rules}
     families = {rule.reason: i for i, family in enumerate(RULE_FAMILIES) for rule in family.rules}
     skipped = 0
     for a, b in zip(full, short, strict=True):
