@@ -7,16 +7,18 @@
 2. Memory: parameters + gradients + AdamW state held per rank under DDP and FSDP (2 ranks, gloo)
    for the demo model and GPT-2 small, measured by summing each rank's local tensors after one step.
 3. With ``--nanogpt DIR`` (a nanoGPT checkout the user supplies; nothing of it is copied here): parity with
-   nanoGPT's ``train.py``. Both run as their own processes, in rounds that alternate which goes first, on the
-   same tokens (the pipeline's train split written as nanoGPT's ``train.bin``), shape (6 layers, 384 wide,
-   context 256), batch 8, fp32, eager, dropout 0, bias on, and thread count (OMP_NUM_THREADS; ours
-   ``parallel.cpus_per_worker``). Each side's tokens/s is micro × block over the median of its own per-step
-   times (nanoGPT's ``time …ms`` lines, our metrics.jsonl ``step_time_s``) after 3 warm-up steps: process
-   start-up, Ray's included, is outside both.
+   nanoGPT's ``train.py``. Three sides, each its own process, in rounds whose order rotates: nanoGPT's
+   ``train.py``, ``python -m train --strategy single``, and the same config's ``train.Trainer`` driven in a plain
+   process without Ray (so the table splits the gap into the loop's part and the Ray runtime's). All get the same
+   tokens (the pipeline's train split written as nanoGPT's ``train.bin``), shape (6 layers, 384 wide, context
+   256), batch 8, fp32, eager, dropout 0, bias on, and thread count (OMP_NUM_THREADS; ours
+   ``parallel.cpus_per_worker``). Each side's tokens/s is micro × block over the median of its own per-step times
+   (nanoGPT's ``time …ms`` lines, our metrics.jsonl ``step_time_s``) after 3 warm-up steps: process start-up,
+   Ray's included, is outside all three.
 
     .venv/bin/python bench/train_bench.py [--data DIR] [--out runs/bench/train]
     .venv/bin/python bench/train_bench.py --smoke   # 1 step, 1 round, memory table for the demo model only
-    .venv/bin/python bench/train_bench.py --nanogpt ~/src/nanoGPT [--parity-rounds 4 --parity-steps 20]
+    .venv/bin/python bench/train_bench.py --nanogpt ~/src/nanoGPT [--parity-rounds 6 --parity-steps 20]
 
 Without --data it runs the pipeline on data/sample with a 512-token BPE (bench/sample_data.py).
 """
@@ -183,46 +185,84 @@ def nanogpt_round(work: Path, steps: int, threads: int) -> list[float]:
     return times[PARITY_WARMUP:]
 
 
+def parity_overrides(threads: int) -> dict[str, Any]:
+    """Our config on nanoGPT's shape, batch and threads (on top of train/configs/demo.yaml), for both our sides."""
+    sets: dict[str, Any] = {f"model.{k}": v for k, v in PARITY_SHAPE.items()}
+    sets |= {"data.micro_batch_size": PARITY_MICRO, "data.global_batch_size": PARITY_MICRO,
+             "data.eval_interval": 0, "model.dropout": 0.0, "model.bias": True, "checkpoint.enabled": False,
+             "parallel.cpus_per_worker": threads}  # fmt: skip
+    return sets
+
+
 def ours_round(data_dir: Path, out: Path, steps: int, threads: int) -> list[float]:
     """``python -m train --strategy single`` on the same shape and data: its own per-step times (metrics.jsonl)."""
     shutil.rmtree(out, ignore_errors=True)
-    sets = [f"model.{k}={v}" for k, v in PARITY_SHAPE.items()]
-    sets += [f"data.micro_batch_size={PARITY_MICRO}", f"data.global_batch_size={PARITY_MICRO}",
-             "data.eval_interval=0", "model.dropout=0.0", "model.bias=true", "checkpoint.enabled=false",
-             f"parallel.cpus_per_worker={threads}"]  # fmt: skip
     cmd = [sys.executable, "-m", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "single",
            "--steps", str(steps), "--config", str(REPO / "train" / "configs" / "demo.yaml")]  # fmt: skip
-    for item in sets:
-        cmd += ["--set", item]
+    for key, value in parity_overrides(threads).items():
+        cmd += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     proc = subprocess.run(cmd, cwd=REPO, env=thread_env(threads), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"python -m train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [r["step_time_s"] for r in read_metrics(out)][PARITY_WARMUP:]
 
 
+def in_process_round(data_dir: Path, out: Path, steps: int, threads: int) -> list[float]:
+    """The same config's ``train.Trainer`` driven in a plain process, no Ray: the loop without the runtime around
+    it. Its own process (this file with ``--in-process-round``), as the other two sides are."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, __file__, "--in-process-round", str(data_dir), str(out), str(steps), str(threads)]
+    proc = subprocess.run(cmd, cwd=REPO, env=thread_env(threads), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the in-process Trainer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [r["step_time_s"] for r in read_metrics(out)][PARITY_WARMUP:]
+
+
+def run_in_process(data_dir: str, out: str, steps: str, threads: str) -> None:
+    """``--in-process-round``'s body: what train.worker does for a single-strategy rank, minus Ray Train."""
+    torch.set_num_threads(int(threads))
+    overrides = parity_overrides(int(threads)) | {"data_dir": data_dir, "output_dir": out, "steps": int(steps)}
+    config = load_config(REPO / "train" / "configs" / "demo.yaml", overrides)
+    check_data(config)
+    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    for _ in range(config.steps):
+        trainer.run_step()
+
+
 def thread_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
+PARITY_SIDES = ("ours", "in_process", "nanogpt")
+
+
 def parity(nanogpt: Path, data_dir: Path, out: Path, steps: int, rounds: int, threads: int) -> dict[str, Any]:
-    """Both sides in alternating rounds; tokens/s of each round is micro × block / the median step time."""
+    """The three sides in rounds whose order rotates (each side goes first, second and third in turn); tokens/s of
+    each round is micro × block / the median step time."""
     work = nanogpt_workdir(nanogpt, data_dir, out / "nanogpt_work")
     tokens = PARITY_MICRO * PARITY_SHAPE["block_size"]
-    rates: dict[str, list[float]] = {"ours": [], "nanogpt": []}
+    rates: dict[str, list[float]] = {side: [] for side in PARITY_SIDES}
     for r in range(rounds):
-        for side in ("ours", "nanogpt") if r % 2 == 0 else ("nanogpt", "ours"):
+        for side in PARITY_SIDES[r % 3 :] + PARITY_SIDES[: r % 3]:
             if side == "ours":
                 times = ours_round(data_dir, out / "parity_ours", steps + PARITY_WARMUP, threads)
+            elif side == "in_process":
+                times = in_process_round(data_dir, out / "parity_in_process", steps + PARITY_WARMUP, threads)
             else:
                 times = nanogpt_round(work, steps + PARITY_WARMUP, threads)
             rates[side].append(tokens / statistics.median(times))
             print(f"round {r + 1}: {side} {rates[side][-1]:,.0f} tokens/s", file=sys.stderr)
+    per_round = {
+        "ratios": ("ours", "nanogpt"),  # the issue's number
+        "in_process_ratios": ("in_process", "nanogpt"),  # the loop alone against nanoGPT's
+        "ray_ratios": ("ours", "in_process"),  # what the Ray runtime and Ray Train's worker cost
+    }
     return {
         "shape": PARITY_SHAPE | {"micro_batch": PARITY_MICRO},
         "threads": threads,
         "steps": steps,
         "rates": rates,
-        "ratios": [o / n for o, n in zip(rates["ours"], rates["nanogpt"], strict=True)],
+        **{key: [x / y for x, y in zip(rates[a], rates[b], strict=True)] for key, (a, b) in per_round.items()},
     }
 
 
@@ -236,7 +276,10 @@ def render_parity(result: dict[str, Any]) -> str:
         "|---|---:|",
         f"| nanoGPT's train.py | {median_iqr_text(result['rates']['nanogpt'], '{:,.0f}')} |",
         f"| python -m train --strategy single | {median_iqr_text(result['rates']['ours'], '{:,.0f}')} |",
-        f"| ours / nanoGPT (per round) | {median_iqr_text(result['ratios'], '{:.3f}')} |",
+        f"| train.Trainer in a plain process (no Ray) | {median_iqr_text(result['rates']['in_process'], '{:,.0f}')} |",
+        f"| **ours / nanoGPT (per round)** | {median_iqr_text(result['ratios'], '{:.3f}')} |",
+        f"| in process / nanoGPT (per round) | {median_iqr_text(result['in_process_ratios'], '{:.3f}')} |",
+        f"| ours / in process (per round) | {median_iqr_text(result['ray_ratios'], '{:.3f}')} |",
     ])  # fmt: skip
 
 
@@ -356,9 +399,19 @@ def main() -> None:
         "table, its train.py against python -m train on the same shards, shape, batch and threads",
     )
     parser.add_argument("--parity-steps", type=int, default=20, help="timed steps per side per parity round")
-    parser.add_argument("--parity-rounds", type=int, default=4, help="parity rounds (sides alternate their order)")
+    parser.add_argument(
+        "--parity-rounds",
+        type=int,
+        default=6,
+        help="parity rounds (the 3 sides' order rotates: 6 puts each side in each place twice)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each parity side")
+    # The parity's in-process side runs this file again in a fresh process: DATA OUT STEPS THREADS.
+    parser.add_argument("--in-process-round", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.in_process_round:
+        run_in_process(*args.in_process_round)
+        return
     if args.nanogpt:
         check_nanogpt(args.nanogpt)  # before minutes of the other sections
     if args.smoke:

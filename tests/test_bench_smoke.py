@@ -425,6 +425,21 @@ def test_train_bench_refuses_a_nanogpt_dir_that_is_not_a_checkout(tmp_path):
     assert f"--nanogpt {tmp_path}: not a nanoGPT checkout (no model.py, configurator.py)" in proc.stderr
 
 
+@pytest.mark.slow
+def test_train_bench_parity_in_process_side_trains_the_parity_config_without_ray(tmp_path, token_dir):
+    # The parity's third side (its other two need a nanoGPT checkout): the Trainer in a plain process, as the bench
+    # runs it, for 2 steps on the tests' token dir. Its metrics.jsonl holds them, at nanoGPT's batch and context.
+    out = tmp_path / "in_process"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "train_bench.py"), "--in-process-round", str(token_dir), str(out), "2", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=LIMIT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["strategy"] == "single" and r["step_tokens"] == 8 * 256 and r["step_time_s"] > 0 for r in records)
+
+
 @pytest.mark.parametrize("other", [["--smoke"], ["--warc-dir", "data/sample"]])
 def test_pipeline_bench_refuses_wet_where_it_would_be_ignored(other):
     # --wet picks the format of the Debian set the bench builds; --smoke and --warc-dir read their files as they are.
