@@ -285,10 +285,11 @@ def test_checkpoint_bench_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_bench_smoke(tmp_path):
-    # --smoke: 1 step, 1 round, and the memory table (DDP and FSDP on 2 gloo ranks) for the demo model only.
+def test_train_bench_smoke(tmp_path, token_dir):
+    # --smoke: 1 step, 1 round, and the memory table (DDP and FSDP on 2 gloo ranks) for the demo model only. --data:
+    # the tests' token dir, so no pipeline (Ray) run; checkpoint_bench's smoke runs the benches' default data path.
     out = tmp_path / "out"
-    proc = run_script(str(BENCH / "train_bench.py"), "--smoke", "--out", str(out))
+    proc = run_script(str(BENCH / "train_bench.py"), "--smoke", "--data", str(token_dir), "--out", str(out))
     assert "### Train-loop throughput" in proc.stdout and "### Training state held per rank" in proc.stdout
     assert "| demo (vocab 512) | " in proc.stdout and "GPT-2 small" not in proc.stdout
     memory = json.loads((out / "train_bench.json").read_text())["memory"]
