@@ -396,7 +396,8 @@ def main() -> None:
         "--nanogpt",
         type=Path,
         help="a local nanoGPT checkout (train.py, model.py, configurator.py; never vendored here): adds the parity "
-        "table, its train.py against python -m train on the same shards, shape, batch and threads",
+        "table, its train.py against python -m train and against our Trainer in a plain process (no Ray), on the "
+        "same shards, shape, batch and threads",
     )
     parser.add_argument("--parity-steps", type=int, default=20, help="timed steps per side per parity round")
     parser.add_argument(

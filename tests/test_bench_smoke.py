@@ -427,7 +427,7 @@ def test_train_bench_refuses_a_nanogpt_dir_that_is_not_a_checkout(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_bench_parity_in_process_side_trains_the_parity_config_without_ray(tmp_path, token_dir):
+def test_train_bench_parity_in_process_side_trains_the_parity_config(tmp_path, token_dir):
     # The parity's third side (its other two need a nanoGPT checkout): the Trainer in a plain process, as the bench
     # runs it, for 2 steps on the tests' token dir. Its metrics.jsonl holds them, at nanoGPT's batch and context.
     out = tmp_path / "in_process"
