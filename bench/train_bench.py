@@ -56,6 +56,7 @@ from spread import median_iqr_text  # noqa: E402
 
 from ground.dist import free_port  # noqa: E402
 from train.config import load_config  # noqa: E402
+from train.final import train_to_completion  # noqa: E402
 from train.manifest import load_manifest  # noqa: E402
 from train.memory import state_bytes  # noqa: E402
 from train.metrics import read_metrics  # noqa: E402
@@ -196,25 +197,26 @@ def parity_overrides(threads: int) -> dict[str, Any]:
 
 def ours_round(data_dir: Path, out: Path, steps: int, threads: int) -> list[float]:
     """``python -m train --strategy single`` on the same shape and data: its own per-step times (metrics.jsonl)."""
-    shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "single",
            "--steps", str(steps), "--config", str(REPO / "train" / "configs" / "demo.yaml")]  # fmt: skip
     for key, value in parity_overrides(threads).items():
-        cmd += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=thread_env(threads), capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"python -m train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [r["step_time_s"] for r in read_metrics(out)][PARITY_WARMUP:]
+        cmd += ["--set", f"{key}={value}"]  # read back as YAML: True, 0.0 and 8 keep their types
+    return our_step_times(cmd, out, threads, "python -m train")
 
 
 def in_process_round(data_dir: Path, out: Path, steps: int, threads: int) -> list[float]:
     """The same config's ``train.Trainer`` driven in a plain process, no Ray: the loop without the runtime around
     it. Its own process (this file with ``--in-process-round``), as the other two sides are."""
-    shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, __file__, "--in-process-round", str(data_dir), str(out), str(steps), str(threads)]
+    return our_step_times(cmd, out, threads, "the in-process Trainer")
+
+
+def our_step_times(cmd: list[str], out: Path, threads: int, what: str) -> list[float]:
+    """Run one of our sides into a fresh ``out``; its per-step times after the warm-up, from its metrics.jsonl."""
+    shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(cmd, cwd=REPO, env=thread_env(threads), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"the in-process Trainer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [r["step_time_s"] for r in read_metrics(out)][PARITY_WARMUP:]
 
 
@@ -224,9 +226,7 @@ def run_in_process(data_dir: str, out: str, steps: str, threads: str) -> None:
     overrides = parity_overrides(int(threads)) | {"data_dir": data_dir, "output_dir": out, "steps": int(steps)}
     config = load_config(REPO / "train" / "configs" / "demo.yaml", overrides)
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
-    for _ in range(config.steps):
-        trainer.run_step()
+    train_to_completion(Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
 
 
 def thread_env(threads: int) -> dict[str, str]:
