@@ -99,6 +99,28 @@ def test_greedy_generation_matches_token_for_token(hf_export: tuple[Path, Path])
     assert generated[0].tolist() == ids[0].tolist()
 
 
+def test_the_exact_gelu_exports_as_gpt2s_exact_gelu() -> None:
+    # model.activation: gelu (nanoGPT's nn.GELU()) becomes GPT2Config's "gelu", not the tanh form's "gelu_new". The
+    # two GELUs differ by 1e-3 at most, so the MLP's weights are scaled up to put its inputs where they differ: the
+    # same export with the tanh form is then 1e-4 away, the right one equal to float rounding.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, activation="gelu")).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name and name.endswith("weight"):
+                param.mul_(5)
+    ids = torch.randint(0, 64, (2, 16))
+    hf = to_gpt2(model, eot_id=0)
+    assert hf.config.activation_function == "gelu"
+    with torch.no_grad():
+        expected, _ = model(ids)
+        assert float((hf(input_ids=ids).logits - expected).abs().max()) <= 1e-6
+        hf.config.activation_function = "gelu_new"
+        tanh = transformers.GPT2LMHeadModel(hf.config)
+        tanh.load_state_dict(hf.state_dict())
+        assert float((tanh.eval()(input_ids=ids).logits - expected).abs().max()) >= 1e-5
+
+
 def test_a_model_gpt2_cannot_express_is_refused() -> None:
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, bias=False))
     with pytest.raises(HFExportError, match="bias: false"):

@@ -477,6 +477,8 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:
         load_config(None, {"parallel.strategy": "ddp", "parallel.workers": 3})
     with pytest.raises(ConfigError, match=r"steps: .*valid integer.*many"):
         load_config(None, {"steps": "many"})
+    with pytest.raises(ConfigError, match=r"model\.activation.*'gelu_tanh' or 'gelu'"):
+        load_config(None, {"model.activation": "relu"})
     good = tmp_path / "good.yaml"
     good.write_text("optimizer:\n  lr: 3e-4\nmodel:\n  n_layer: 2\n")
     config = load_config(good, {"model.n_layer": 3})

@@ -1,7 +1,8 @@
 """The model in Hugging Face's layout: a directory ``transformers`` loads as ``GPT2LMHeadModel`` without custom code.
 
 Our GPT is architecturally GPT-2: learned absolute positions, pre-LayerNorm blocks with biases (eps 1e-5), a
-tanh-approximated GELU MLP of width 4·n_embd (GPT-2's ``gelu_new``), one fused q/k/v projection split in q, k, v
+GELU MLP of width 4·n_embd (tanh-approximated by default, GPT-2's ``gelu_new``; ``model.activation: gelu``, the exact
+form, is GPT2Config's ``gelu``), one fused q/k/v projection split in q, k, v
 order, and the output projection tied to the token embedding. So the conversion is a renaming, plus a transpose:
 GPT-2 stores its linear layers as ``Conv1D`` with weights laid out (in, out) where ``nn.Linear`` has (out, in).
 A model GPT-2 cannot express (``bias: false``) is refused rather than exported wrong.
@@ -26,6 +27,8 @@ from train.model import GPT
 
 # Same bound as the export's fp32 probe check: a renaming must not change the function beyond float rounding.
 LOGITS_TOLERANCE = 1e-4
+# GPTConfig.activation -> GPT2Config.activation_function computing the same GELU (transformers and vLLM know both).
+GPT2_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
 class HFExportError(RuntimeError):
@@ -91,7 +94,7 @@ def to_gpt2(model: GPT, eot_id: int) -> Any:
         n_layer=c.n_layer,
         n_head=c.n_head,
         n_inner=4 * c.n_embd,
-        activation_function="gelu_new",  # GELU, tanh approximation: F.gelu(approximate="tanh") in train/model.py
+        activation_function=GPT2_ACTIVATIONS[c.activation],
         layer_norm_epsilon=1e-5,  # nn.LayerNorm's default, what train/model.py uses
         resid_pdrop=0.0,
         embd_pdrop=0.0,

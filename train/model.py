@@ -1,6 +1,6 @@
 """A GPT language model in one readable module.
 
-Decoder-only transformer with pre-norm blocks, learned absolute position embeddings and an output
+Decoder-only transformer with pre-norm blocks, a GELU MLP, learned absolute position embeddings and an output
 projection tied to the token embedding. Attention goes through ``F.scaled_dot_product_attention`` so
 PyTorch picks the fused kernel available on the device (flash / memory-efficient on GPU, a math
 kernel on CPU).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ class GPTConfig:
     vocab_size: int | None = None
     dropout: float = 0.0
     bias: bool = True
+    # The MLP's GELU: GPT-2's tanh approximation (its ``gelu_new``), or the exact erf form (nanoGPT's nn.GELU()).
+    # On CPU the exact one takes about half the tanh form's time, forward and backward; both export to GPT-2.
+    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
@@ -68,9 +72,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
