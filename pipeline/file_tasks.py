@@ -291,8 +291,10 @@ def kept_texts(paths: RunPaths, items: list[dict], max_chars: int) -> Iterator[s
         for batch in _filtered_batches(
             paths, item["index"], ["warc_record_id", "source", "source_offset", "stage", "reason", "text"]
         ):
-            rows = decisions(batch.to_pylist())
-            for row in rows:
+            # Only the rows the filter pass kept become dicts (most of a crawl's are dropped by then): dedup marks
+            # none of the others.
+            alive = batch.filter(pc.is_null(batch.column("reason")))
+            for row in decisions(alive.to_pylist()):
                 if not is_dropped(row):
                     yield row["text"]
                     seen += len(row["text"])
