@@ -28,6 +28,7 @@ from train.__main__ import main, overrides_from_args, parse_args
 from train.config import ConfigError, config_from_dict, load_config
 from train.data import StepBatches, TrainBatches, ValBatches, global_sample_windows, rank_windows
 from train.manifest import DataError, Manifest, load_manifest
+from train.model import GPTConfig
 from train.optim import learning_rate
 from train.shard_verify import ShardVerifier
 
@@ -479,6 +480,8 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:
         load_config(None, {"steps": "many"})
     with pytest.raises(ConfigError, match=r"model\.activation.*'gelu_tanh' or 'gelu'"):
         load_config(None, {"model.activation": "relu"})
+    with pytest.raises(ValueError, match="activation 'relu'"):  # a config.json read back without the train config
+        GPTConfig(vocab_size=8, activation="relu")  # type: ignore[arg-type]
     good = tmp_path / "good.yaml"
     good.write_text("optimizer:\n  lr: 3e-4\nmodel:\n  n_layer: 2\n")
     config = load_config(good, {"model.n_layer": 3})

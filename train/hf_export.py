@@ -1,10 +1,10 @@
 """The model in Hugging Face's layout: a directory ``transformers`` loads as ``GPT2LMHeadModel`` without custom code.
 
 Our GPT is architecturally GPT-2: learned absolute positions, pre-LayerNorm blocks with biases (eps 1e-5), a
-GELU MLP of width 4·n_embd (tanh-approximated by default, GPT-2's ``gelu_new``; ``model.activation: gelu``, the exact
-form, is GPT2Config's ``gelu``), one fused q/k/v projection split in q, k, v
-order, and the output projection tied to the token embedding. So the conversion is a renaming, plus a transpose:
-GPT-2 stores its linear layers as ``Conv1D`` with weights laid out (in, out) where ``nn.Linear`` has (out, in).
+GELU MLP of width 4·n_embd (tanh-approximated by default, GPT-2's ``gelu_new``; ``model.activation: gelu``, the
+exact form, is GPT2Config's ``gelu``), one fused q/k/v projection split in q, k, v order, and the output projection
+tied to the token embedding. So the conversion is a renaming, plus a transpose: GPT-2 stores its linear layers as
+``Conv1D`` with weights laid out (in, out) where ``nn.Linear`` has (out, in).
 A model GPT-2 cannot express (``bias: false``) is refused rather than exported wrong.
 
 The export is built with ``transformers`` itself (``GPT2LMHeadModel.save_pretrained``,

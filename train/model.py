@@ -39,6 +39,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.activation not in ("gelu_tanh", "gelu"):  # the train config checks it; a config.json may not
+            raise ValueError(f"activation {self.activation!r}: expected 'gelu_tanh' or 'gelu'")
 
     @property
     def head_dim(self) -> int:
