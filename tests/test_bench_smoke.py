@@ -439,6 +439,10 @@ def test_train_bench_parity_in_process_side_trains_the_parity_config(tmp_path, t
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["strategy"] == "single" and r["step_tokens"] == 8 * 256 and r["step_time_s"] > 0 for r in records)
+    # nanoGPT's model: its shape, bias and dropout, and its MLP's exact GELU (ours defaults to GPT-2's tanh form).
+    model = json.loads((out / "final" / "final.json").read_text())["model_config"]
+    shape = {k: model[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "activation")}
+    assert shape == dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.0, bias=True, activation="gelu")
 
 
 @pytest.mark.parametrize("other", [["--smoke"], ["--warc-dir", "data/sample"]])
