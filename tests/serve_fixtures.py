@@ -12,6 +12,7 @@ which is what the canary must catch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -88,9 +89,7 @@ def write_export(model: GPT, tokenizer: Tokenizer, out: Path, lineage: dict) -> 
     """The layout of train.export.export(): the files load_exported and the server read."""
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    cfg = model.config
-    fields = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "bias", "activation")
-    (out / "config.json").write_text(json.dumps({f: getattr(cfg, f) for f in fields}, indent=2))
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.config), indent=2))
     tokenizer.save(str(out / "tokenizer.json"))
     publish_files(out, Location(out), LINEAGE, lineage)  # lineage.json last, listing every file's size and sha256
     return out

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+# The MLP's GELU: GPT-2's tanh approximation (its ``gelu_new``), or the exact erf form (nanoGPT's nn.GELU()).
+Activation = Literal["gelu_tanh", "gelu"]
 
 
 @dataclass
@@ -32,15 +35,15 @@ class GPTConfig:
     vocab_size: int | None = None
     dropout: float = 0.0
     bias: bool = True
-    # The MLP's GELU: GPT-2's tanh approximation (its ``gelu_new``), or the exact erf form (nanoGPT's nn.GELU()).
-    # On CPU the exact one takes about half the tanh form's time, forward and backward; both export to GPT-2.
-    activation: Literal["gelu_tanh", "gelu"] = "gelu_tanh"
+    # On CPU the exact GELU takes about half the tanh form's time, forward and backward; both export to GPT-2.
+    activation: Activation = "gelu_tanh"
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.activation not in ("gelu_tanh", "gelu"):  # the train config checks it; a config.json may not
-            raise ValueError(f"activation {self.activation!r}: expected 'gelu_tanh' or 'gelu'")
+        if self.activation not in get_args(Activation):  # the train config checks it; a config.json may not
+            expected = " or ".join(repr(name) for name in get_args(Activation))
+            raise ValueError(f"activation {self.activation!r}: expected {expected}")
 
     @property
     def head_dim(self) -> int:
