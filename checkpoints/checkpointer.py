@@ -239,8 +239,9 @@ class Checkpointer:
         return True
 
     # ---------------------------------------------------------------- restoring
-    def restore(self, app: Stateful) -> Restored | None:
-        """Load the newest checkpoint that verifies into ``app``; None when there is none."""
+    def restore(self, app: Stateful, accept: Callable[[str, dict[str, Any]], None] | None = None) -> Restored | None:
+        """Load the newest checkpoint that verifies into ``app``; None when there is none. ``accept(name, manifest)``
+        runs on every rank before anything is loaded, and raises to refuse the checkpoint (a run of another model)."""
         self.wait()
         candidates = self.store.candidates()
         chosen: tuple[int, dict[str, Any]] | None = None
@@ -260,6 +261,8 @@ class Checkpointer:
             return None
         index, manifest = chosen
         candidate = candidates[index]
+        if accept is not None:
+            accept(candidate.name, manifest)
         with candidate.open() as directory:
             load_into(app, directory, self.rank, self.distributed)
         self.last_saved = self.last_committed = candidate.name

@@ -4,6 +4,7 @@ cut off mid-write, a flipped byte, the inspect/verify CLI, and guard-rail rollba
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from train.metrics import read_metrics
 from train.optim import learning_rate
 from train.parallel import DistContext
 from train.preflight import check_data
+from train.resume_check import ModelChanged
 from train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -250,3 +252,28 @@ def test_checkpoint_storage_is_refused_without_ray_train(token_dir: Path, tmp_pa
     config = make_config(token_dir, tmp_path / "run", **{"checkpoint.storage": "s3://bucket/prefix"})
     with pytest.raises(ValueError, match=r"checkpoint.storage is Ray Train's storage: it needs a Ray run"):
         Trainer(config, CPU)
+
+
+def test_a_resume_into_another_model_is_refused_before_anything_loads(
+    token_dir: Path, tmp_path: Path, reference
+) -> None:
+    """A changed shape would otherwise fail inside DCP's load, and a changed activation would load silently and train
+    another function from the weights; a changed dropout resumes (it is not part of what the weights compute)."""
+    ref_dir, ref_weights = reference
+    run = Path(shutil.copytree(ref_dir, tmp_path / "run"))
+    for key, value in (("model.n_layer", 3), ("model.activation", "gelu")):
+        trainer = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, key: value}), CPU)
+        with pytest.raises(ModelChanged) as refused:
+            trainer.resume()
+        message = str(refused.value)
+        assert f"checkpoint checkpoint_step_000000008 of {run} was written by a run with" in message, message
+        assert f"{key}=" in message and repr(value) in message, message
+        assert trainer.step == 0 and trainer.resumed_from == []
+        trainer.close()
+
+    resumed = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, "model.dropout": 0.1}), CPU)
+    resumed.resume()
+    assert resumed.step == STEPS and resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000008"
+    for key, value in ref_weights.items():
+        assert torch.equal(resumed.gpt.state_dict()[key], value), key
+    resumed.close()

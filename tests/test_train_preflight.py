@@ -107,3 +107,30 @@ def test_cli_help() -> None:
     assert result.returncode == 0
     for flag in ("--data", "--output", "--strategy", "--workers", "--steps", "--config", "--address", "--set"):
         assert flag in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_cli_refuses_a_resume_into_another_model_without_starting_ray(token_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    from train.parallel import DistContext
+    from train.trainer import Trainer
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(token_dir, run, **{"steps": 4, "checkpoint.interval_steps": 4})
+    config = load_config(None, overrides)
+    check_data(config)
+    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer.train()
+    trainer.close()
+    same = [arg for key, value in overrides.items() if key.count(".") for arg in ("--set", f"{key}={value}")]
+    paths = ("--data", str(token_dir), "--output", str(run), "--resume")
+
+    result = run_cli(*paths, *same, "--set", "model.n_embd=64", "--set", "model.activation=gelu")
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"{run / 'checkpoint_step_000000004'} was written by a run with model.activation='gelu_tanh', model.n_embd=32;"
+        " this run has model.activation='gelu', model.n_embd=64" in " ".join(result.stderr.split())
+    ), result.stderr
+    assert "Started a local Ray instance" not in result.stdout + result.stderr

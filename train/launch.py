@@ -76,6 +76,7 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
     output = check_locations(config)  # absolute paths or URIs: the workers may start elsewhere
     manifest = check_data(config)  # also fills model.vocab_size
     check_output(output)
+    check_checkpoints(config, output)  # storage, and a resume's model: before Ray starts, like the checks above
 
     if not ray.is_initialized():
         # Local Ray by default. On a cluster, submit with `ray job submit --working-dir .` (see
@@ -83,7 +84,6 @@ def launch(config: TrainConfig, address: str | None = None, on_step_end: StepCal
         ray.init(address=address)
     check_resources(config, ray.cluster_resources())
 
-    check_checkpoints(config, output)
     # The driver writes config.yaml and summary.json into the run dir itself; the ranks write the rest
     # (train.run_dir: rank 0 uploads it when the run dir is in object storage).
     output.join("config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -15,6 +15,7 @@ from ground.storage import Location, StorageError, check_scheme
 from train.config import TrainConfig
 from train.manifest import DataError, Manifest
 from train.mixture import load_sources
+from train.resume_check import ModelChanged, check_resumable
 
 
 class PreflightError(ValueError):
@@ -135,7 +136,9 @@ def check_checkpoints(config: TrainConfig, run_dir: Location) -> None:
     """The checkpoint storage is writable, and a run whose storage already holds checkpoints is continued
     only on request: Ray Train would hand its latest checkpoint to the workers of any new run there (it
     restores its checkpoint manager from storage), so without --resume a fresh run would silently continue
-    the old one."""
+    the old one. A resume must build the model its checkpoints hold (``train.resume_check``): every stored
+    checkpoint whose manifest reads is checked, since the workers take the newest that verifies."""
+    from checkpoints.manifest import CorruptCheckpoint, checkpoint_step, read_manifest
     from checkpoints.store import probe_storage, storage_path, stored_checkpoints
     from ground.storage import join
 
@@ -151,3 +154,15 @@ def check_checkpoints(config: TrainConfig, run_dir: Location) -> None:
         raise PreflightError(
             f"{where} already holds checkpoints ({names}): pass --resume to continue that run, or choose a new --output"
         )
+    for name in existing:
+        if checkpoint_step(name) is None:
+            continue  # Ray Train's snapshot of its checkpoint list
+        location = join(where, name)
+        try:
+            manifest = read_manifest(location)
+        except CorruptCheckpoint:
+            continue  # the workers pass over it too (Checkpointer.restore)
+        try:
+            check_resumable(location, manifest, config.model)
+        except ModelChanged as exc:
+            raise PreflightError(str(exc)) from exc

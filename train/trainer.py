@@ -59,6 +59,7 @@ from train.parallel import (
     scale_grads,
 )
 from train.profiler import StepProfiler
+from train.resume_check import check_resumable
 from train.run_dir import RunDir
 from train.shard_verify import ShardVerifier
 from train.watchdog import StepWatchdog, exit_worker
@@ -246,7 +247,12 @@ class Trainer(Stateful):
     def resume(self) -> None:
         """Continue from the newest checkpoint that verifies (none: start from scratch, and say so)."""
         assert self.checkpointer is not None
-        restored = self.checkpointer.restore(self)
+        config = self.config
+
+        def accept(name: str, manifest: dict[str, Any]) -> None:
+            check_resumable(f"checkpoint {name} of {config.output_dir}", manifest, config.model)
+
+        restored = self.checkpointer.restore(self, accept=accept)
         if restored is None:
             if self.ctx.is_main:
                 log.warning("resume requested but no loadable checkpoint found: starting at step 0")

@@ -1,0 +1,58 @@
+"""A resume loads a checkpoint's weights into the model that this run's config builds: it must be the model the
+checkpoint was trained as.
+
+A changed shape (``n_layer``, ``n_embd``, ``block_size``...) would otherwise fail deep inside DCP's load with a
+tensor-size error, and a change that keeps every shape (``n_head``, ``activation``) would load without a word and
+train another function from those weights. Both are refused here, naming the keys, on the driver before any worker
+starts (``train.preflight.check_checkpoints``, every stored checkpoint) and by the trainer before it loads one
+(``Checkpointer.restore``'s ``accept``; in-process runs have no driver).
+
+Every other key of the train config may change on a resume (a lower learning rate after a spike is the usual one),
+and so may ``model.dropout``: a regulariser of the training, not part of what the weights compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from train.model import GPTConfig
+
+# Model keys a resume may change: they do not change the function the saved weights compute.
+RESUMABLE_MODEL_KEYS = frozenset({"dropout"})
+
+
+class ModelChanged(ValueError):
+    """The checkpoint was written by a run of another model than this run's config builds."""
+
+
+def model_changes(saved_train_config: Mapping[str, Any], model: GPTConfig) -> dict[str, tuple[Any, Any]]:
+    """``{key: (the checkpoint's value, this run's)}`` for every model key that differs, outside
+    :data:`RESUMABLE_MODEL_KEYS`. A key the checkpoint's config lacks (written before the key existed) has its
+    default, which keeps the meaning of configs written before it; a key this version does not know is a change."""
+    saved = dict(saved_train_config.get("model") or {})
+    current = dataclasses.asdict(model)
+    defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig)}
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in sorted(saved.keys() | current.keys()):
+        if key in RESUMABLE_MODEL_KEYS:
+            continue
+        before = saved.get(key, defaults.get(key))
+        after = current.get(key, "(unknown to this version)")
+        if before != after:
+            changes[key] = (before, after)
+    return changes
+
+
+def check_resumable(where: str, manifest: Mapping[str, Any], model: GPTConfig) -> None:
+    """Raise :class:`ModelChanged` if the checkpoint at ``where`` (its ``manifest``) holds another model."""
+    changes = model_changes(manifest.get("train_config") or {}, model)
+    if not changes:
+        return
+    saved = ", ".join(f"model.{key}={before!r}" for key, (before, _) in changes.items())
+    now = ", ".join(f"model.{key}={after!r}" for key, (_, after) in changes.items())
+    raise ModelChanged(
+        f"{where} was written by a run with {saved}; this run has {now}. Resuming would load its weights into "
+        "another model: set those keys back to resume, or train into a new --output"
+    )
