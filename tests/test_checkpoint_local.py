@@ -68,6 +68,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(token_dir: Path, tmp_pa
     resumed = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
     resumed.train()
     assert resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000004"
+    assert resumed.resumed_from[0]["data_changed"] is False
     expected = [(r["step"], r["loss"]) for r in read_metrics(ref_dir)]
     got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path)]
     assert got == expected  # bitwise: same floats, not just close
@@ -276,4 +277,25 @@ def test_a_resume_into_another_model_is_refused_before_anything_loads(
     assert resumed.step == STEPS and resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000008"
     for key, value in ref_weights.items():
         assert torch.equal(resumed.gpt.state_dict()[key], value), key
+    resumed.close()
+
+
+def test_a_resume_on_other_data_continues_and_says_so(
+    token_dir: Path, tmp_path: Path, reference, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mixture reweighted mid-run is a curriculum, so other data is allowed on a resume; the data position then
+    counts samples of other data, which the log says and final.json's resumed_from records."""
+    ref_dir, _ = reference
+    run = Path(shutil.copytree(ref_dir, tmp_path / "run"))
+    mixture = [
+        {"name": "web", "path": str(token_dir), "weight": 3},
+        {"name": "more", "path": str(token_dir), "weight": 1},
+    ]
+    resumed = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, "data.mixture": mixture}), CPU)
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        resumed.resume()
+    assert resumed.step == STEPS and resumed.resumed_from[0]["data_changed"] is True
+    (warning,) = [r.getMessage() for r in caplog.records if "the data changed" in r.getMessage()]
+    saved = json.loads((run / "checkpoint_step_000000008" / MANIFEST_FILE).read_text())["data_manifest_sha256"]
+    assert f"saved by a run on data {saved}, this run's is " in warning and '"name": "more"' in warning, warning
     resumed.close()

@@ -259,6 +259,8 @@ class Trainer(Stateful):
             self.metrics.truncate_from(0)
             return
         self.metrics.truncate_from(self.step)
+        saved_data = restored.manifest.get("data_manifest_sha256")
+        data = data_lineage_sha256(self.sources)
         self.resumed_from.append(
             {
                 "checkpoint": restored.name,
@@ -266,6 +268,7 @@ class Trainer(Stateful):
                 "saved_world_size": restored.world_size,
                 "world_size": self.ctx.world_size,
                 "skipped_corrupt": restored.skipped,
+                "data_changed": saved_data != data,
             }
         )
         if self.ctx.is_main:
@@ -273,6 +276,14 @@ class Trainer(Stateful):
                 "resumed from %s: step %d, %d tokens seen, data step %d",
                 restored.name, self.step, self.step * self.tokens_per_step, self.train_batches.step,
             )  # fmt: skip
+            if saved_data != data:
+                # Allowed (a mixture reweighted mid-run is a curriculum), never silent: the data position is a count
+                # of samples, and here it counts them in other data.
+                log.warning(
+                    "the data changed since %s: it was saved by a run on data %s, this run's is %s (%s); training "
+                    "continues at data step %d of this data, not where the saved run would have gone on",
+                    restored.name, saved_data, data, json.dumps(describe(self.sources)), self.train_batches.step,
+                )  # fmt: skip
             if restored.world_size != self.ctx.world_size:
                 log.warning(
                     "world size changed %d -> %d: model and optimizer state resharded; the global batch stays "
