@@ -299,3 +299,21 @@ def test_a_resume_on_other_data_continues_and_says_so(
     saved = json.loads((run / "checkpoint_step_000000008" / MANIFEST_FILE).read_text())["data_manifest_sha256"]
     assert f"saved by a run on data {saved}, this run's is " in warning and '"name": "more"' in warning, warning
     resumed.close()
+
+
+def test_a_checkpoints_model_config_is_read_as_written_then() -> None:
+    """A key added since (activation) has its default in an older checkpoint's config, which keeps its meaning; a key
+    this version does not know is a change; a checkpoint that records no model config has nothing to compare."""
+    from train.model import GPTConfig
+    from train.resume_check import model_changes
+
+    model = GPTConfig(n_layer=2, vocab_size=512)
+    before_activation = {"model": {"n_layer": 2, "vocab_size": 512, "dropout": 0.3}}
+    assert model_changes(before_activation, model) == {}
+    assert model_changes(before_activation, GPTConfig(n_layer=2, vocab_size=512, activation="gelu")) == {
+        "activation": ("gelu_tanh", "gelu")
+    }
+    assert model_changes({"model": {"n_layer": 2, "vocab_size": 512, "rope": True}}, model) == {
+        "rope": (True, "(unknown to this version)")
+    }
+    assert model_changes({}, model) == {}

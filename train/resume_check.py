@@ -30,8 +30,11 @@ class ModelChanged(ValueError):
 def model_changes(saved_train_config: Mapping[str, Any], model: GPTConfig) -> dict[str, tuple[Any, Any]]:
     """``{key: (the checkpoint's value, this run's)}`` for every model key that differs, outside
     :data:`RESUMABLE_MODEL_KEYS`. A key the checkpoint's config lacks (written before the key existed) has its
-    default, which keeps the meaning of configs written before it; a key this version does not know is a change."""
-    saved = dict(saved_train_config.get("model") or {})
+    default, which keeps the meaning of configs written before it; a key this version does not know is a change.
+    A checkpoint that records no model config at all has nothing to compare: no change."""
+    if not saved_train_config.get("model"):
+        return {}
+    saved = dict(saved_train_config["model"])
     current = dataclasses.asdict(model)
     defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig)}
     changes: dict[str, tuple[Any, Any]] = {}
