@@ -75,6 +75,10 @@ def inspect(path: str, as_json: bool) -> dict[str, Any]:
         print(f"  step {m['step']}  kinds {kinds}  world size {m['world_size']}  strategy {m.get('strategy')}")
         print(f"  tokens seen {m.get('tokens_seen')}  data step {m.get('data_step')}  val_loss {m.get('val_loss')}")
         print(f"  lineage: parent {m.get('parent')}  data manifest sha256 {m.get('data_manifest_sha256')}")
+        # The model a resume must build to load it (train.resume_check refuses another).
+        model = (m.get("train_config") or {}).get("model") or {}
+        if model:
+            print("  model: " + "  ".join(f"{key}={value}" for key, value in model.items()))
         print("  files:")
         for name, f in sorted(m.get("files", {}).items()):
             print(f"    {name:<20} {_human(f['bytes']):>10}  sha256 {f['sha256']}")

@@ -144,6 +144,8 @@ def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path:
     assert shown.returncode == 0, shown.stderr
     for expected in ("step 8", "world size 1", "model.wte.weight", "rng.rank0", "__0_0.distcp", "sha256", "parent"):
         assert expected in shown.stdout, expected
+    model = "  model: activation=gelu_tanh  bias=True  block_size=32  dropout=0.0  n_embd=32  n_head=2  n_layer=2"
+    assert model in shown.stdout, shown.stdout  # the manifest's keys, sorted as it stores them
     unknown = subprocess.run([*cli, "verify", "foo://bucket/run"], capture_output=True, text=True, cwd=REPO)
     assert unknown.returncode == 2 and "error: cannot read foo://bucket/run" in unknown.stderr
     helped = subprocess.run([*cli, "--help"], capture_output=True, text=True, cwd=REPO)
