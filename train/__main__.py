@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume",
         action="store_true",
         help="continue from the latest good checkpoint in --output (same or different --workers; "
-        "a different world size reshards model and optimizer state)",
+        "a different world size reshards model and optimizer state). The model.* keys must be the checkpoint's "
+        "(dropout aside): another model is refused",
     )
     add_address_option(parser)
     return parser.parse_args(argv)
