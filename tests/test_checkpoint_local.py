@@ -121,7 +121,7 @@ def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
 
 
 @pytest.mark.slow
-def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path: Path) -> None:
+def test_flipped_byte_fails_verification_and_names_the_file(token_dir: Path, reference, tmp_path: Path) -> None:
     ref_dir, _ = reference
     import shutil
 
@@ -144,8 +144,10 @@ def test_flipped_byte_fails_verification_and_names_the_file(reference, tmp_path:
     assert shown.returncode == 0, shown.stderr
     for expected in ("step 8", "world size 1", "model.wte.weight", "rng.rank0", "__0_0.distcp", "sha256", "parent"):
         assert expected in shown.stdout, expected
-    model = "  model: activation=gelu_tanh  bias=True  block_size=32  dropout=0.0  n_embd=32  n_head=2  n_layer=2"
-    assert model in shown.stdout, shown.stdout  # the manifest's keys, sorted as it stores them
+    # The model the reference run built (its config's, not the manifest's), keys sorted as the manifest stores them.
+    built = make_config(token_dir, ref_dir).to_dict()["model"]
+    model = "  model: " + "  ".join(f"{key}={value}" for key, value in sorted(built.items()))
+    assert built and model in shown.stdout, shown.stdout
     unknown = subprocess.run([*cli, "verify", "foo://bucket/run"], capture_output=True, text=True, cwd=REPO)
     assert unknown.returncode == 2 and "error: cannot read foo://bucket/run" in unknown.stderr
     helped = subprocess.run([*cli, "--help"], capture_output=True, text=True, cwd=REPO)
