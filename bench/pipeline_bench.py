@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's parts, b
 
 from pipeline_bench_common import (
     CACHE,
-    CCNET_CANDIDATES,
+    CCNET_DIR,
     DEMO_CONFIG,
     SAMPLE_DIR,
     WARC_SUFFIXES,
@@ -405,7 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ccnet-dir",
         type=Path,
-        default=next((p for p in CCNET_CANDIDATES if p.is_dir()), None),
+        default=CCNET_DIR,
         help="cc_net jsonl.gz texts for the planted set's bases",
     )
     parser.add_argument(

@@ -11,7 +11,7 @@ BENCH = ROOT / "bench"
 CACHE = BENCH / ".cache"
 SAMPLE_DIR = ROOT / "data" / "sample"
 DEMO_CONFIG = ROOT / "pipeline" / "configs" / "demo.yaml"
-CCNET_CANDIDATES = (ROOT / "shared" / "data" / "ccnet-text", ROOT.parent / "shared" / "data" / "ccnet-text")
+CCNET_DIR = ROOT / "data" / "ccnet-text"
 WARC_SUFFIXES = (".warc.wet.gz", ".warc.wet", ".warc.gz", ".warc")
 
 for _p in (ROOT, BENCH):  # run as a script from anywhere: make ``pipeline`` and ``debian_warc`` importable

@@ -35,7 +35,7 @@ ingress answers it while the engine is still starting), is reported and kept out
 ``--warmup`` untimed requests. Then for each concurrency level, ``c`` closed-loop clients (asyncio + aiohttp, in this
 process) share ``--requests-per-level`` requests (default 4 × c, at least 16): ``/v1/completions``, streamed, greedy,
 ``max_tokens`` with ``ignore_eos``, ``stream_options.include_usage``. Prompts are real prose: consecutive windows of
-``--prompt-tokens`` tokens of the cc_net documents (``../shared/data/ccnet-text``), cut with the export's
+``--prompt-tokens`` tokens of the cc_net documents (``data/ccnet-text``), cut with the export's
 tokenizer, all different (no prefix-cache hits between them); every side gets the same prompts in the same order.
 
 Per request: TTFT = send to the first chunk carrying a choice; TPOT = (last such chunk - first) / (tokens - 1), with

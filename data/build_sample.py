@@ -1,8 +1,8 @@
-"""Rebuild data/sample/ from the real files in ../shared/data (run once; the output is committed).
+"""Rebuild the two wrapped cc_net files of data/sample/ from data/ccnet-text/ (the output is committed).
 
-The two Common Crawl WET files are copied as they are. The cc_net documents (real Common Crawl text,
-already extracted) are wrapped as WET `conversion` records with warcio, keeping their URL, crawl date
-and digest, so the demo sample is larger while staying real web text.
+The cc_net documents (real Common Crawl text, already extracted) are wrapped as WET `conversion` records
+with warcio, keeping their URL and crawl date, so the demo sample is larger while staying real web text.
+The sample's other files are upstream files copied unchanged (data/README.md names each source).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import gzip
 import io
 import json
-import shutil
 import uuid
 from pathlib import Path
 
@@ -54,15 +53,15 @@ def wrap_ccnet_as_wet(src: Path, dst: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shared", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
-    parser.add_argument("--output", type=Path, default=Path(__file__).resolve().parent / "sample")
+    here = Path(__file__).resolve().parent
+    parser.add_argument("--ccnet", type=Path, default=here / "ccnet-text", help="folder of cc_net *.jsonl.gz")
+    parser.add_argument("--output", type=Path, default=here / "sample")
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
-    for name in ("CC-MAIN-2017-30-head44.warc.wet.gz", "CC-MAIN-2024-22-whirlwind.warc.wet.gz"):
-        shutil.copyfile(args.shared / "commoncrawl-wet" / name, args.output / name)
-    for src in sorted((args.shared / "web-warc").glob("*.warc.gz")):
-        shutil.copyfile(src, args.output / src.name)
-    for src in sorted((args.shared / "ccnet-text").glob("*.jsonl.gz")):
+    sources = sorted(args.ccnet.glob("*.jsonl.gz"))
+    if not sources:
+        parser.error(f"{args.ccnet}: no *.jsonl.gz")
+    for src in sources:
         dst = args.output / src.name.replace(".jsonl.gz", ".warc.wet.gz")
         print(f"{dst.name}: {wrap_ccnet_as_wet(src, dst)} records")
 

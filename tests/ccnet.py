@@ -1,4 +1,4 @@
-"""Real Common Crawl text (cc_net "head", English) from the shared data folder beside the checkout."""
+"""Real Common Crawl text (cc_net "head", English), bundled in data/ccnet-text (data/README.md)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import gzip
 import json
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-CCNET_FILES = sorted((SHARED_DATA / "ccnet-text").glob("*.jsonl.gz"))
+CCNET_DIR = Path(__file__).resolve().parents[1] / "data" / "ccnet-text"
+CCNET_FILES = sorted(CCNET_DIR.glob("*.jsonl.gz"))
 
 
 def load_ccnet_texts() -> list[str]:
     if not CCNET_FILES:
-        raise FileNotFoundError(f"{SHARED_DATA / 'ccnet-text'}: no *.jsonl.gz (is shared/ beside the checkout?)")
+        raise FileNotFoundError(f"{CCNET_DIR}: no *.jsonl.gz")
     texts = []
     for path in CCNET_FILES:
         with gzip.open(path, "rt", encoding="utf-8") as lines:

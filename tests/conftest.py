@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-SAMPLE = REPO / "data" / "sample"
+DATA = REPO / "data"  # every file a test reads lives in the repository (data/README.md: sources, licenses)
+SAMPLE = DATA / "sample"
 
 
 def sample_copies(folder: Path, copies: int = 2) -> Path:
@@ -28,12 +28,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/wet_builder.py and other
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 # Shared fixtures (token_dir; tiny_export, long_context_export, worse_export_dir) for every test module, without
-# importing them by name into each one; and the suite's plugins: a skip for a missing module fails the run, every
-# module's time at the end, and an exit past Ray's native teardown (each module says why).
+# importing them by name into each one; and the suite's plugins: a skip for a missing module fails the run, so does a
+# read beside the checkout, every module's time at the end, and an exit past Ray's native teardown (each module
+# says why).
 pytest_plugins = [
     "train_fixtures",
     "serve_fixtures",
     "no_missing_module_skips",
+    "repo_bound_reads",
     "module_durations",
     "exit_before_native_teardown",
     "pytester",

@@ -1,7 +1,7 @@
 """Test models for serve/: a tiny GPT trained briefly on real Common Crawl text, in train.export's layout.
 
 ``build_export`` trains a byte-level BPE tokenizer and a 2-layer GPT with plain torch (AdamW, a few
-hundred steps, a few seconds on one core) on the cc_net documents in ../shared/data/ccnet-text,
+hundred steps, a few seconds on one core) on the cc_net documents in data/ccnet-text,
 holding every 5th document out, and writes ``model.safetensors`` (the model's state dict),
 ``config.json`` (GPTConfig fields), ``tokenizer.json`` and ``lineage.json`` — the files
 ``train.export.load_exported`` and serve.model_dir read. ``worse_export`` writes the same model with

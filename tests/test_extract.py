@@ -5,13 +5,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLE, SHARED_DATA
+from conftest import DATA, SAMPLE
 from wet_builder import article, record_id, write_wet
 
 from pipeline.errors import PipelineInputError
 from pipeline.steps.extract import ExtractConfig, check_is_warc, read_wet
 
-BAD = SHARED_DATA / "bad-input"
+BAD = DATA / "bad-input"
 
 
 def reasons(docs):
@@ -111,7 +111,7 @@ def test_non_wet_files_are_refused_up_front(tmp_path, content, message):
 
 def test_gzipped_json_is_not_wet():
     with pytest.raises(PipelineInputError, match="not a WARC/WET file"):
-        check_is_warc(SHARED_DATA / "ccnet-text" / "cc_en_head-0091.jsonl.gz")
+        check_is_warc(DATA / "ccnet-text" / "cc_en_head-0091.jsonl.gz")
 
 
 def test_warc_html_responses_become_text():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SAMPLE, SHARED_DATA
+from conftest import DATA, SAMPLE
 from pydantic import ValidationError
 
 from pipeline.config import PipelineConfig
@@ -24,7 +24,7 @@ from pipeline.steps.decontaminate import (
 from pipeline.steps.dedup import normalise
 from pipeline.steps.extract import read_wet
 
-GSM8K = SHARED_DATA / "eval-sets" / "gsm8k-test.jsonl"
+GSM8K = DATA / "eval-sets" / "gsm8k-test.jsonl"
 
 
 def gsm8k_config(**kwargs) -> DecontaminationConfig:

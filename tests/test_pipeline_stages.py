@@ -8,7 +8,7 @@ import random
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, SAMPLE, SHARED_DATA
+from conftest import DATA, REPO, SAMPLE
 from wet_builder import write_wet
 
 from pipeline.config import PipelineConfig, load_config
@@ -22,7 +22,7 @@ from pipeline.steps.pii import PII_COLUMNS
 from pipeline.steps.quality import QualityFilter
 from pipeline.steps.url_filter import load_blocklist
 
-GSM8K = SHARED_DATA / "eval-sets" / "gsm8k-test.jsonl"
+GSM8K = DATA / "eval-sets" / "gsm8k-test.jsonl"
 
 
 def test_filter_steps_run_in_report_order():

@@ -32,8 +32,8 @@ from pipeline.steps.quality import (
     rules_markdown,
 )
 
-# Real cc_net "head" (high-quality bucket) English docs, next to the checkout like conftest.SHARED_DATA.
-CC_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "ccnet-text" / "cc_en_head-0091.jsonl.gz"
+# Real cc_net "head" (high-quality bucket) English docs, bundled in data/ccnet-text.
+CC_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "ccnet-text" / "cc_en_head-0091.jsonl.gz"
 
 PARAGRAPHS = [
     [
