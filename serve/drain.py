@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import ray
@@ -45,18 +45,30 @@ def control_name(app: str) -> str:
     return f"drain:{app}"
 
 
+@dataclass
+class ReplicaCounts:
+    """An ingress replica's requests as it reports them to the app's ``DrainControl``. Kept by the replica's
+    ``ReplicaDrain``, changed only by each request's ``serve.accounting.RequestAccount`` (admitted, refused, finished).
+    """
+
+    in_flight: int = 0  # admitted to the engine and not finished; -1 in a report: the replica has not answered yet
+    drained: int = 0  # in flight when the drain began, finished by themselves
+    aborted: int = 0  # cut at the deadline
+    rejected: int = 0  # new requests refused with 503 while draining
+
+
 @ray.remote(num_cpus=0)
 class DrainControl:
     """One app's drain state: whether it drains, whether the deadline has passed, and what each ingress replica
-    reported (requests in flight, drained, aborted, rejected). Async actor: a replica's waits cost nothing."""
+    reported (its ``ReplicaCounts``). Async actor: a replica's waits cost nothing."""
 
     def __init__(self) -> None:
         self._draining = asyncio.Event()
         self._cut = asyncio.Event()
-        self._reports: dict[str, tuple[int, dict[str, int]]] = {}
+        self._reports: dict[str, tuple[int, ReplicaCounts]] = {}
 
     async def register(self, replica: str) -> None:
-        self._reports.setdefault(replica, (-1, {"in_flight": 0, "drained": 0, "aborted": 0, "rejected": 0}))
+        self._reports.setdefault(replica, (-1, ReplicaCounts()))
 
     async def deregister(self, replica: str) -> None:
         self._reports.pop(replica, None)
@@ -80,15 +92,15 @@ class DrainControl:
     async def cut(self) -> None:
         self._cut.set()
 
-    async def report(self, replica: str, seq: int, counts: dict[str, int]) -> None:
+    async def report(self, replica: str, seq: int, counts: ReplicaCounts) -> None:
         # A replica's reports are sent in order, but an async actor may run two of them out of order: keep the newest.
-        if seq > self._reports.get(replica, (-1, {}))[0]:
+        if replica not in self._reports or seq > self._reports[replica][0]:
             self._reports[replica] = (seq, counts)
 
-    async def reports(self) -> dict[str, dict[str, int]]:
+    async def reports(self) -> dict[str, ReplicaCounts]:
         """Each registered replica's newest counts; ``in_flight`` is -1 until it has answered the drain (a replica
         reports once it sees the drain begin, so until then the driver cannot know what it holds)."""
-        return {replica: counts if seq >= 0 else {**counts, "in_flight": -1} for replica, (seq, counts) in
+        return {replica: counts if seq >= 0 else replace(counts, in_flight=-1) for replica, (seq, counts) in
                 self._reports.items()}  # fmt: skip
 
 
@@ -131,12 +143,12 @@ def drain(app: str, timeout_s: float, poll_s: float = 0.1) -> DrainResult:
     next_progress = started + PROGRESS_EVERY_S
     while True:
         reports = ray.get(control.reports.remote())
-        busy = sum(1 for counts in reports.values() if counts["in_flight"] != 0)
+        busy = sum(1 for counts in reports.values() if counts.in_flight != 0)
         if not busy:
             break
         now = time.monotonic()
         if now >= next_progress and not cut:
-            in_flight = sum(max(0, counts["in_flight"]) for counts in reports.values())
+            in_flight = sum(max(0, counts.in_flight) for counts in reports.values())
             log.info("draining: %d request(s) in flight on %d of %d ingress replica(s), %.0f s to the deadline",
                      in_flight, busy, len(reports), deadline - now)  # fmt: skip
             next_progress = now + PROGRESS_EVERY_S
@@ -148,10 +160,15 @@ def drain(app: str, timeout_s: float, poll_s: float = 0.1) -> DrainResult:
         if cut and now >= deadline + REPORT_GRACE_S:
             break
         time.sleep(poll_s)
-    reports = ray.get(control.reports.remote())
-    totals = {key: sum(counts[key] for counts in reports.values()) for key in ("drained", "aborted", "rejected")}
-    unreported = sum(1 for counts in reports.values() if counts["in_flight"] != 0)
-    return DrainResult(seconds=time.monotonic() - started, replicas=len(reports), unreported=unreported, **totals)
+    final = list(ray.get(control.reports.remote()).values())
+    return DrainResult(
+        drained=sum(counts.drained for counts in final),
+        aborted=sum(counts.aborted for counts in final),
+        rejected=sum(counts.rejected for counts in final),
+        seconds=time.monotonic() - started,
+        replicas=len(final),
+        unreported=sum(1 for counts in final if counts.in_flight != 0),
+    )
 
 
 def remove_control(app: str) -> None:
@@ -186,16 +203,17 @@ class ShutdownCut(Exception):
 
 
 class ReplicaDrain:
-    """An ingress replica's side of the drain: whether it drains, its requests in flight, and its counts.
+    """An ingress replica's side of the drain: whether it drains, the deadline's cut, and the replica's
+    ``ReplicaCounts``, which it reports to the app's control.
 
-    ``admit()`` before a request's work (False once draining: the caller answers 503), ``finish(cut)`` when it
-    ends; ``until_cut(aw)`` and ``chunks_until_cut(it)`` race the request's work with the deadline."""
+    Each request is admitted, counted and finished by its ``serve.accounting.RequestAccount``, which changes
+    ``counts`` and calls ``report()``; ``until_cut(aw)`` and ``chunks_until_cut(it)`` race a request's work with the
+    deadline."""
 
     def __init__(self, app: str, replica: str) -> None:
         self.app, self.replica = app, replica
         self.draining = False
-        self.in_flight = 0
-        self.counts = {"drained": 0, "aborted": 0, "rejected": 0}
+        self.counts = ReplicaCounts()
         self._cut = asyncio.Event()
         self._seq = 0  # the control keeps the newest of this replica's reports; its first is the drain's answer
         self._control: Any = None
@@ -219,29 +237,15 @@ class ReplicaDrain:
                     await asyncio.sleep(0.5)
             await self._control.wait_draining.remote()
             self.draining = True
-            log.warning("draining: /health answers 503, new requests 503; %d request(s) in flight", self.in_flight)
-            self._report()
+            in_flight = self.counts.in_flight
+            log.warning("draining: /health answers 503, new requests 503; %d request(s) in flight", in_flight)
+            self.report()
             await self._control.wait_cut.remote()
-            if self.in_flight:
-                log.warning("shutdown timeout: cutting %d request(s) still in flight", self.in_flight)
+            if self.counts.in_flight:
+                log.warning("shutdown timeout: cutting %d request(s) still in flight", self.counts.in_flight)
             self._cut.set()
         except Exception as exc:  # the control is gone (its cluster is going): serving goes on as it was
             log.warning("drain control of app %r unavailable: %r", self.app, exc)
-
-    def admit(self) -> bool:
-        """Count a new request in; False (and counted as rejected) while draining."""
-        if self.draining:
-            self.counts["rejected"] += 1
-            self._report()
-            return False
-        self.in_flight += 1
-        return True
-
-    def finish(self, cut: bool = False) -> None:
-        self.in_flight -= 1
-        if self.draining:
-            self.counts["aborted" if cut else "drained"] += 1
-            self._report()
 
     async def until_cut(self, work: Awaitable[T]) -> T:
         """``await work``, unless the deadline comes first: then it is cancelled and ``ShutdownCut`` raised."""
@@ -251,7 +255,7 @@ class ReplicaDrain:
         finally:
             cut.cancel()
 
-    async def chunks_until_cut(self, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
+    async def chunks_until_cut(self, chunks: AsyncIterator[T]) -> AsyncGenerator[T, None]:
         """The chunks of a stream until it ends, or until the deadline (then the engine's generator is closed, which
         aborts its request, and ``ShutdownCut`` raised)."""
         iterator = aiter(chunks)
@@ -280,8 +284,9 @@ class ReplicaDrain:
             with contextlib.suppress(Exception):  # the control ended on this very call (the app's last replica)
                 await asyncio.wait_for(self._control.deregister.remote(self.replica), DEREGISTER_TIMEOUT_S)
 
-    def _report(self) -> None:
+    def report(self) -> None:
+        """Send the control this replica's counts as they are now (no-op before it has found the control)."""
         if self._control is None:
             return
         self._seq += 1
-        self._control.report.remote(self.replica, self._seq, {"in_flight": self.in_flight, **self.counts})
+        self._control.report.remote(self.replica, self._seq, replace(self.counts))  # a copy: the counts go on changing

@@ -35,10 +35,10 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from serve.accounting import APIError, Outcome, RequestAccounting, install_error_handlers, request_outcome
+from serve.accounting import APIError, RequestAccount, RequestAccounting, install_error_handlers, request_account
 from serve.api_keys import ApiKeyAuth
 from serve.config import AppArgs
-from serve.drain import RETRY_AFTER_S, ReplicaDrain, ShutdownCut
+from serve.drain import ReplicaDrain, ShutdownCut
 from serve.metrics import ServeMetrics
 from serve.model_dir import ExportInfo
 from serve.tracing import RequestTrace, RequestTracer, RequestTracing, request_trace
@@ -190,46 +190,40 @@ class RayLMIngress(OpenAiIngress):
     async def _engine_call(
         self, work: Callable[[Request], Awaitable[Response]], request: Request, arrival: float
     ) -> Response:
-        """The engine's answer to a request that passed the caps: refused while draining, counted in flight until its
-        response (or its stream) ends, and cut if the drain's deadline comes first. ``work`` is called with the
-        request the engine sees (with the engine span's traceparent when the request is traced)."""
-        if not self.drain.admit():
-            raise APIError(
-                503,
-                "the server is shutting down and takes no new requests; retry (another replica, or this address once "
-                "it is back)",
-                type="server_error",
-                code="server_shutting_down",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+        """The engine's answer to a request that passed the caps. Its account admits it (a 503 while draining) and
+        keeps it in flight until its response, or its stream, has ended; the drain's deadline cuts it if it comes
+        first. ``work`` is called with the request the engine sees (with the engine span's traceparent when the
+        request is traced)."""
+        account = request_account(request)
+        account.admit()
         trace = request_trace(request)
         try:
             with engine_loss_as_503():
-                response = await self.drain.until_cut(work(trace.engine_request(request) if trace else request))
+                response = await account.until_cut(work(trace.engine_request(request) if trace else request))
         except ShutdownCut as exc:
-            self.drain.finish(cut=True)
             if trace:
                 trace.engine_done(exc)
             raise shutdown_cut() from None
         except BaseException as exc:
-            self.drain.finish()
             if trace:
                 trace.engine_done(exc)
             raise
-        return self._counted(response, request_outcome(request), arrival, trace)
+        return self._counted(response, account, arrival, trace)
 
-    def _counted(self, response: Response, outcome: Outcome, arrival: float, trace: RequestTrace | None) -> Response:
-        """Record how the request ended (for the accounting's count, and its trace) and its latency, as the client
-        sees them."""
+    def _counted(
+        self, response: Response, account: RequestAccount, arrival: float, trace: RequestTrace | None
+    ) -> Response:
+        """Record how the request ended (in its account's outcome, and its trace) and its latency, as the client sees
+        them."""
+        outcome = account.outcome
         if response.status_code < 500:  # a 5xx may be the ingress's own answer to an engine that failed
             self._engine_answered()
         if isinstance(response, StreamingResponse):
             if trace:
                 trace.first_output()  # the ingress returns a stream once its first chunk is in
             chunks = cast(AsyncIterator[str], response.body_iterator)  # Ray Serve LLM streams SSE messages as str
-            response.body_iterator = self._watch_stream(chunks, outcome, arrival, trace)
+            response.body_iterator = self._watch_stream(chunks, account, arrival, trace)
             return response
-        self.drain.finish()
         if trace:
             trace.engine_done()
             trace.record_body(bytes(response.body))
@@ -239,15 +233,15 @@ class RayLMIngress(OpenAiIngress):
         return response
 
     async def _watch_stream(
-        self, chunks: AsyncIterator[str], outcome: Outcome, arrival: float, trace: RequestTrace | None
+        self, chunks: AsyncIterator[str], account: RequestAccount, arrival: float, trace: RequestTrace | None
     ) -> AsyncIterator[str]:
         """The engine's SSE chunks, passed on untouched; on the way: the finish reason, and an error the engine
         reported after the 200 went out (counted as the 500 it is). An engine that fails mid-stream (its replica
         died, its generator raised) ends the stream with OpenAI's error event and ``[DONE]``, never a silent cut; so
         does a stream still open when a drain's deadline passes. Latency per token is the engine's own metric."""
-        cut = False
+        outcome = account.outcome
         try:
-            async for chunk in self.drain.chunks_until_cut(chunks):
+            async for chunk in account.chunks_until_cut(chunks):
                 if '"finish_reason":"length"' in chunk:
                     outcome.finish_reason = "length"
                 if 'data: {"error"' in chunk or '"object":"error"' in chunk:
@@ -259,7 +253,7 @@ class RayLMIngress(OpenAiIngress):
                 yield chunk
         except Exception as exc:  # not CancelledError: a client that leaves is counted as such by the accounting
             if isinstance(exc, ShutdownCut):
-                cut, error = True, shutdown_cut()
+                error = shutdown_cut()
             elif isinstance(exc, RayActorError):
                 log.warning("the engine replica of a stream was lost: %s", exc)
                 error = replica_lost()
@@ -272,7 +266,6 @@ class RayLMIngress(OpenAiIngress):
             yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
             return
         finally:
-            self.drain.finish(cut=cut)
             if trace:
                 trace.engine_done()  # ended already when the engine failed
         if outcome.status is None:

@@ -23,8 +23,10 @@ finishing its response while the client is still there,
   ``ray_serve_*`` series), since the replica that would have counted it in ``raylm_server_requests_total`` is gone.
 
 A client that disconnected is left alone (the replica counts it as 499). Answers the proxy completes itself (a 503
-while no replica is up, a 408 timeout, its health routes) pass through untouched. This module runs in the proxy
-process: it imports neither torch nor the app, only the standard library and Ray.
+while no replica is up, a 408 timeout, its health routes) pass through untouched. What went out and whether the
+client left are watched by the request's ``serve.accounting.RequestAccount``, the ingress's own accounting. This
+module runs in the proxy process: it imports neither torch nor the app, only the standard library, Ray (Serve, its
+Starlette) and ``serve.accounting``, which leaves vLLM to the ingress.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.accounting import APIError, RequestAccount
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,8 @@ def proxy_middlewares() -> list[Middleware]:
 
 
 def error_body(message: str) -> dict[str, Any]:
-    """OpenAI's error body, the shape of ``serve.accounting.APIError.body()`` (not imported: the proxy would load
-    FastAPI's app, vLLM's exceptions and the rest of the ingress's imports)."""
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": CODE}}
+    """OpenAI's error body, as the ingress answers its own server errors."""
+    return APIError(STATUS, message, type="server_error", code=CODE).body()
 
 
 def count_lost(stream: bool) -> None:
@@ -81,51 +84,40 @@ class ReplicaLossGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started: Message | None = None
-        complete = client_gone = False
+        async with RequestAccount(receive, send) as account:
+            try:
+                await self.app(scope, account.receive, account.send)
+            except Exception:
+                # Not expected (the proxy turns a failed request into a status of its own); answer it all the same.
+                log.exception("Serve's proxy raised on %s", scope.get("path"))
+            if not (account.complete or account.client_gone):
+                await _answer_lost(scope, account)
 
-        async def watching_receive() -> Message:
-            nonlocal client_gone
-            message = await receive()
-            client_gone = client_gone or message["type"] == "http.disconnect"
-            return message
 
-        async def watching_send(message: Message) -> None:
-            nonlocal started, complete
-            if message["type"] == "http.response.start":
-                started = message
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                complete = True
-            await send(message)
-
-        try:
-            await self.app(scope, watching_receive, watching_send)
-        except Exception:
-            # Not expected (the proxy turns a failed request into a status of its own); answer it all the same.
-            log.exception("Serve's proxy raised on %s", scope.get("path"))
-        if complete or client_gone:
-            return
-        request_id = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER, b"").decode("latin-1")
-        message = (
-            "the replica serving this request was lost before it finished (its process or node failed); the request "
-            f"did not complete and can be retried (request id {request_id or 'unknown'})"
-        )
-        stream = started is not None and _is_event_stream(started)
-        log.warning("request %s on %s: %s", request_id, scope.get("path"), "stream cut" if started else "no answer")
-        if started is None:
-            body = json.dumps(error_body(message)).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            if request_id:
-                headers.append((REQUEST_ID_HEADER, request_id.encode("latin-1")))
-            await send({"type": "http.response.start", "status": STATUS, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        elif stream:
-            # The last events, as the ingress ends a stream whose generation failed (ingress.py: _watch_stream).
-            events = f"data: {json.dumps(error_body(message), separators=(',', ':'))}\n\ndata: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": events.encode()})
-        # Otherwise a plain body was cut after its first part (the app sends one part, so this is not expected): it
-        # cannot be repaired, and uvicorn closes the connection, which the client sees as a truncated body.
-        count_lost(stream)
+async def _answer_lost(scope: Scope, account: RequestAccount) -> None:
+    """Finish, and count, a response the proxy gave up on: the 503, or a stream's SSE error event and ``[DONE]``."""
+    request_id = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER, b"").decode("latin-1")
+    message = (
+        "the replica serving this request was lost before it finished (its process or node failed); the request "
+        f"did not complete and can be retried (request id {request_id or 'unknown'})"
+    )
+    started = account.start
+    stream = started is not None and _is_event_stream(started)
+    log.warning("request %s on %s: %s", request_id, scope.get("path"), "stream cut" if started else "no answer")
+    if started is None:
+        body = json.dumps(error_body(message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if request_id:
+            headers.append((REQUEST_ID_HEADER, request_id.encode("latin-1")))
+        await account.send({"type": "http.response.start", "status": STATUS, "headers": headers})
+        await account.send({"type": "http.response.body", "body": body})
+    elif stream:
+        # The last events, as the ingress ends a stream whose generation failed (ingress.py: _watch_stream).
+        events = f"data: {json.dumps(error_body(message), separators=(',', ':'))}\n\ndata: [DONE]\n\n"
+        await account.send({"type": "http.response.body", "body": events.encode()})
+    # Otherwise a plain body was cut after its first part (the app sends one part, so this is not expected): it
+    # cannot be repaired, and uvicorn closes the connection, which the client sees as a truncated body.
+    count_lost(stream)
 
 
 def _is_event_stream(start: Message) -> bool:

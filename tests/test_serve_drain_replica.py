@@ -1,5 +1,6 @@
 """An ingress replica's side of the drain (serve/drain.py, ``ReplicaDrain``) on plain asyncio, without Ray: the race of
-a request's work against the deadline, and what a cut or a client that leaves does to the engine's generator."""
+a request's work against the deadline, what a cut or a client that leaves does to the engine's generator, and the
+replica's counts as its requests' accounts (serve/accounting.py, ``RequestAccount``) change them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 
 import pytest
 
-from serve.drain import ReplicaDrain, ShutdownCut
+from serve.accounting import APIError, RequestAccount
+from serve.drain import ReplicaCounts, ReplicaDrain, ShutdownCut
 
 
 def run(coro):
@@ -36,13 +38,29 @@ class Engine:
 
 
 def test_admit_counts_in_flight_and_refuses_once_draining() -> None:
-    drain = ReplicaDrain("app", "replica")
-    assert drain.admit() and drain.admit() and drain.in_flight == 2
-    drain.draining = True
-    assert not drain.admit() and drain.in_flight == 2
-    drain.finish()
-    drain.finish(cut=True)
-    assert drain.in_flight == 0 and drain.counts == {"drained": 1, "aborted": 1, "rejected": 1}
+    async def scenario():
+        drain = ReplicaDrain("app", "replica")
+
+        async def receive():
+            raise AssertionError("no ASGI traffic here")
+
+        async def send(message):
+            raise AssertionError("no ASGI traffic here")
+
+        first, second, refused = (RequestAccount(receive, send, drain=drain) for _ in range(3))
+        async with first, second:
+            first.admit()
+            second.admit()
+            assert drain.counts.in_flight == 2
+            drain.draining = True
+            async with refused:
+                with pytest.raises(APIError):
+                    refused.admit()
+            assert drain.counts.in_flight == 2
+            second.cut = True
+        return drain.counts
+
+    assert run(scenario()) == ReplicaCounts(in_flight=0, drained=1, aborted=1, rejected=1)
 
 
 def test_a_stream_runs_to_its_end_when_no_cut_comes() -> None:
