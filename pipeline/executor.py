@@ -107,10 +107,10 @@ def file_pass(items: list[dict], fn: Callable, fn_kwargs: dict, actors: dict | N
     """One pass's dataset: ``fn`` once per item (an input file), each item a block of its own so that each is one
     task; ``actors`` as in ``PipelineRun._map_files``."""
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map(fn, fn_kwargs=fn_kwargs, **(actors or {}))
-    # Ray Data reserves a share of the CPUs for each operator by default, here the input buffer and the map. On 2
-    # CPUs that held the map to one task at a time for much of a pass while the other CPU idled: 1.4 tasks running
-    # on average for 0.4 s tasks, 1.8 for 2.5 s ones (bench/ray_data_concurrency.py). A pass is that one map, so
-    # there is nothing to reserve for. Set on this dataset's own context, not on the process's.
+    # Ray Data reserves a share of the CPUs for each operator by default, here the input buffer and the map. On a
+    # small node that holds the map below one task per CPU for much of a pass while a CPU idles
+    # (bench/ray_data_concurrency.py measures it). A pass is that one map, so there is nothing to reserve for. Set
+    # on this dataset's own context, not on the process's.
     ds.context.op_resource_reservation_enabled = False
     return ds
 

@@ -36,9 +36,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 # The body cap is read from Content-Length before the body is read, then enforced on the bytes read; 2 MiB
 # holds any prompt under the character cap however it is JSON-escaped (at most 6 bytes per character).
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
-# Characters over all of a request's text prompts (or its rendered chat transcript). Tokenizing ran at ~0.5 MB/s
-# on one core of the shared test VM (1 MB in ~2 s), so this bounds a request's tokenizer time to ~0.4 s (off the
-# event loop); it is about 40 times the text a 1024-token context holds, so prompts that fit are not refused.
+# Characters over all of a request's text prompts (or its rendered chat transcript). It bounds the tokenizer time
+# one request can cost (off the event loop) to a fraction of a second on one core, and it is about 40 times the
+# text a 1024-token context holds, so prompts that fit are not refused.
 DEFAULT_MAX_PROMPT_CHARS = 200_000
 # Sequences one request may start (prompts x n): each one is a prefill and a sequence's worth of decoding.
 DEFAULT_MAX_CHOICES = 64

@@ -26,7 +26,7 @@ class ModelDirOnTheNode(CallbackBase):
     """Ray Serve LLM's node initialisation, skipped: ``ExportServer`` has already made the model directory on the
     replica's node (fetched, verified, converted) before the engine starts, and the replica's placement group is
     strictly packed, so every engine worker runs on that node. Ray Serve LLM's own step would start a task on the node
-    only to find that local path: ~10 s of each engine start here (a worker process importing vLLM), measured.
+    only to find that local path, at the cost of a worker process importing vLLM on every engine start.
     ``LLMConfig.callback_config`` is public; this base class is the one Ray Serve LLM ships for it (Ray is pinned)."""
 
     async def on_before_node_init(self) -> None:
