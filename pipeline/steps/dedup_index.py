@@ -1,34 +1,56 @@
 """The dedup index: bucket shards that verify LSH candidates and find clusters among themselves.
 
 A :class:`BucketIndex` is a plain class: the executor runs ``num_index_actors`` of them as Ray actors, and
-:func:`deduplicate` runs the same shards in-process, so tests, bench and executor share
-one code path. Exact keys are spread over the shards by hash and LSH bands by band index.
+:func:`deduplicate` runs the same shards in-process, so tests, bench and executor share one code path. The
+coordinator (:func:`resolve_clusters`) only passes references between shards and sums counts: no process gathers
+every edge. A phase that sends every shard something returns one part per shard (:data:`PerShard`); shard ``j``'s
+part goes to shard ``j``'s next call (with one shard, through ``BucketIndex.only_part``, as Ray keeps a single
+return value whole). What a shard keeps from one phase to the next is one small typed state object
+per kind of cluster (exact, then near), named below; a shard as a holder of edges and a shard as an owner of nodes
+keep separate states.
 
 Each document's verification sketch (most of its bytes) is stored once, at the shard that owns its key
-(:func:`sketch_owner`), not at every shard that holds one of its bands: with the default 20 bands that was every
-shard, so adding shards did not divide any shard's disk. Before verifying (:func:`verify_candidates`), each shard
-lists its shared buckets and fetches, from their owners, the sketches of the members it does not hold, a bounded
-chunk at a time; only candidates cross between shards.
+(:func:`sketch_owner`), not at every shard that holds one of its bands (with the default 20 bands, every shard), so
+adding shards divides every shard's disk; only candidates' sketches cross between shards. Clusters are the
+connected components of the edges all shards verified; each document (graph node) is *owned* by one shard, chosen by
+its *name* (a 16-byte digest of its key, :func:`node_names`), and the shards find the components by min-label
+propagation. The phases, in order:
 
-Clusters are the connected components of the edges all shards found. Rather than gathering every edge on one
-process, each document (graph node) is *owned* by one shard (by a stable hash of its key) and the shards run
-min-label propagation:
+1. Add (``add``, after :func:`shard_parts`): each shard appends a batch's exact keys (spread over the shards by
+   hash) and LSH bands (by band index) to its spill files on local disk, and the sketches of the documents whose
+   keys it owns.
+2. Collect candidates (``collect_candidates``): each shard lists its shared buckets, each its members in key order,
+   on disk, and the members whose sketches another shard owns: :class:`_Candidates`.
+3. Fetch sketches (``ask_sketches`` → ``serve_sketches`` → ``take_sketches``, repeated while any are wanted): each
+   shard fetches those sketches from their owners, a bounded chunk a round (:data:`FETCH_CHUNK`), in the order of
+   the owner's lookup files (:func:`ask_order`); each round advances its :class:`_Fetch` from each owner.
+4. Verify (``finalize``): each shard verifies its shared buckets' candidates and joins the documents that share an
+   exact key; each kind's edges (exact; near, which includes exact) become a :class:`_Named`: the nodes' keys on
+   local disk (``NodeKeys``, read back only in phases 9 and 10) and their names. From here on, phases 5 to 10 run
+   for one kind, then for the next (:func:`label_clusters`).
+5. Register (``requests`` → ``register``): each shard sends its nodes' names to their owners, once, and goes on
+   with an :class:`_Asked`; an owner keeps the names it owns, sorted, and gives each node an integer id (its rank
+   there and the owner's number), its first label: an :class:`_Owned`. From here on the shards hold integers:
+   edges, labels and messages.
+6. Adopt (``adopt``): each shard takes its nodes' ids, which are also its first view of their labels: a
+   :class:`_Labelled`.
+7. Propose (``propose`` → ``receive``): each shard proposes, for each of its nodes, the lowest label in its local
+   component (its edges plus the labels it has); owners keep the lowest proposal and count the labels that went
+   lower. When none did, every node's label is the lowest id of its component: on to phase 9.
+8. Refresh (``answer`` → ``refresh``): owners answer each shard with the labels of the nodes it asked about, and
+   the shard updates its view; then phase 7 again.
+9. Lowest keys (``lowest_keys`` → ``settle``): ids are not in key order, and the kept document is the lowest *key*.
+   Each shard reads its nodes' keys back, a chunk at a time, and sends, for each label, the lowest key among its
+   nodes with that label to the label's owner, which answers with the lowest of them all. Owners drop the kind's
+   :class:`_Owned`.
+10. Claim duplicates (``claim`` → ``accept``): each shard sends each duplicate of its edges (a node whose key is not
+    its cluster's lowest) to the node's owner, with the key kept in its place, and drops the kind's
+    :class:`_Labelled` (and, once every kind's is gone, its spill files); an owner keeps each of its duplicates once:
+    a :class:`_Duplicates`.
+11. Decisions (``decision_arrays``, ``decisions``, ``write_decisions``): each shard reports the duplicates it owns,
+    an exact duplicate once, as exact.
 
-1. A shard writes the keys of its edges' nodes to its local disk (``NodeKeys``) and goes on with a 16-byte digest
-   of each (its *name*): a key is ~100 bytes, and held through the propagation it was most of what grows with the
-   duplicates. It sends the names to their owners once (the owner is chosen by the name); an owner keeps the names
-   it owns, sorted, and gives each node an integer id (its rank there and the owner's number). From here on the
-   shards hold integers: edges, labels and messages.
-2. Every round each shard proposes, for the nodes in its edges, the lowest id in their local component; owners
-   keep the lowest proposal; shards refresh their view of the labels they use. When no owner's label changes,
-   every node's label is the lowest id of its component.
-3. Ids are not in key order, and the kept document is the lowest *key*: each shard reads its nodes' keys back, a
-   chunk at a time, and sends, for each label, the lowest key among its nodes with that label to the label's
-   owner, which answers with the lowest of them all. Each shard then sends each duplicate of its edges (a node
-   whose key is not its cluster's lowest) to the node's owner, with the key kept in its place; an owner keeps each
-   of its duplicates once, and the kind's ids, labels and edges are dropped.
-
-The coordinator (:func:`resolve_clusters`) only passes references between shards and sums counts.
+:func:`verify_candidates` runs phases 2 to 4 and :func:`label_clusters` phases 5 to 10 on every shard.
 """
 
 from __future__ import annotations
@@ -44,7 +66,7 @@ import zlib
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -71,6 +93,10 @@ DECISION_SCHEMA = pa.schema(
     [("source", pa.string()), ("doc_key", pa.string()), ("stage", pa.string()), ("duplicate_of", pa.string())]
 )
 
+T = TypeVar("T")
+# What a phase sends every shard: one part per shard, in shard order (always a tuple, even of one).
+PerShard: TypeAlias = tuple[T, ...]
+
 
 def owner_of(key: str | bytes, num_shards: int) -> int:
     """The shard that owns a document key or an exact key: a hash every process agrees on."""
@@ -87,9 +113,8 @@ def sketch_owner(doc_key: str | bytes, num_shards: int, num_bands: int) -> int:
 # The allocator setting of an index shard's process (the executor's actors; bench/dedup_index_bench.py's children). A
 # shard's arrays come and go in phases, each as large as the duplicates; glibc's malloc serves an array up to 32 MB
 # from its heap once one that size has been freed, and a fragmented heap is seldom given back, so the shard's RSS
-# stays at its high-water mark. A fixed threshold maps every array past 128 KB on its own and unmaps it when freed:
-# one shard's peak at 10⁷ synthetic documents was 164 MB against 187 without it (pipeline/README.md, "What the index
-# holds, where").
+# stays at its high-water mark. A fixed threshold maps every array past 128 KB on its own and unmaps it when freed,
+# which lowers a shard's peak (pipeline/README.md, "What the index holds, where").
 SHARD_MMAP_THRESHOLD = 131072
 M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
@@ -97,8 +122,8 @@ M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 def fix_mmap_threshold(threshold: int = SHARD_MMAP_THRESHOLD) -> bool:
     """Set this process's malloc mmap threshold, as ``MALLOC_MMAP_THRESHOLD_`` does at a process's start (a fixed value
     also ends glibc's raising of it). Called in the shard's own process rather than passed as an environment: a
-    ``runtime_env`` makes Ray start a dedicated worker for each shard, which cost the sample's dedup pass 0.4 s of
-    its 1 s. False, and nothing changed, where the C library is not glibc."""
+    ``runtime_env`` makes Ray start a dedicated worker for each shard, a cost every dedup pass would pay. False, and
+    nothing changed, where the C library is not glibc."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
@@ -142,25 +167,83 @@ def _pair(a: int, b: int) -> int:
 EDGE_KEPT = 2
 
 
-class _Graph:
-    """One kind's verified edges, as indices into its nodes; each node's key on disk (``keys``, in node order), its
-    name (a digest of the key) until the owners give it an id, then its id."""
-
-    def __init__(self, keys: NodeKeys, names: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        self.keys, self.names, self.a, self.b = keys, names, a, b
-        self.ids = np.empty(0, np.int64)
+# ---- the state a shard keeps between phases (see the module docstring for the phases) ----
+# Each is replaced by the next phase's, not changed field by field; the arrays that a phase repeats over (a
+# label view, an owner's labels) are updated in place, as the state object's own.
 
 
-class _Owned(NamedTuple):
-    """The nodes a shard owns while the propagation runs: their names, sorted, and their labels (ids)."""
+class _Fetch(NamedTuple):
+    """Phase 3: the sketches a shard fetches from one owner: their documents' positions in its records and their
+    names, in the order it asks for them, and how many of them it has asked for so far."""
 
+    positions: np.ndarray
     names: np.ndarray
+    asked: int
+
+
+class _Candidates(NamedTuple):
+    """Phases 2 to 4: the shared buckets a shard verifies (their members on disk) and, one per shard in shard
+    order, the sketches it fetches from that shard before it can."""
+
+    shared: BucketGroups
+    fetches: tuple[_Fetch, ...]
+
+    def unfetched(self) -> int:
+        """How many sketches are still to be asked for."""
+        return sum(len(fetch.positions) - fetch.asked for fetch in self.fetches)
+
+
+class _Edges(NamedTuple):
+    """One kind's verified edges, each once, as indices into its nodes (``a[i]``-``b[i]``), and each node's key on
+    local disk, in node order (``keys``): read back only to find each cluster's lowest key and its duplicates."""
+
+    keys: NodeKeys
+    a: np.ndarray
+    b: np.ndarray
+
+
+class _Named(NamedTuple):
+    """Phase 4's result, as a holder of edges: a kind's edges and each node's name, until the owners give it an id."""
+
+    edges: _Edges
+    names: np.ndarray
+
+
+class _Asked(NamedTuple):
+    """Phase 5's result, as a holder of edges: a kind's edges, and the nodes whose names it sent to each owner (one
+    array of node indices per owner). The same nodes are refreshed from the same owners every round."""
+
+    edges: _Edges
+    asked: tuple[np.ndarray, ...]
+
+
+class _Labelled(NamedTuple):
+    """Phases 6 to 10, as a holder of edges: a kind's edges, the nodes asked of each owner, each node's id, and this
+    shard's view of each node's label (updated in place by ``refresh``)."""
+
+    edges: _Edges
+    asked: tuple[np.ndarray, ...]
+    ids: np.ndarray
     labels: np.ndarray
 
 
+_Nodes: TypeAlias = _Named | _Asked | _Labelled  # a kind's nodes at a holder of edges, by phase
+_Phase = TypeVar("_Phase", _Named, _Asked, _Labelled)
+
+
+class _Owned(NamedTuple):
+    """Phases 5 to 9, as an owner: the names of a kind's nodes this shard owns, sorted; their labels (their ids at
+    first, lowered in place by ``receive``); and, for each shard that asked, the rank here of each name it asked
+    about, in its order (what ``answer`` answers it)."""
+
+    names: np.ndarray
+    labels: np.ndarray
+    ranks: tuple[np.ndarray, ...]
+
+
 class _Duplicates(NamedTuple):
-    """What a shard keeps of a kind once each cluster's lowest key is known (``accept``): the duplicates it owns,
-    their keys sorted, and the key kept in each one's place."""
+    """Phase 10's result, as an owner, for phase 11: the duplicates of a kind that a shard owns, their keys sorted,
+    and the key kept in each one's place."""
 
     keys: np.ndarray
     kept: np.ndarray
@@ -196,10 +279,10 @@ def owners_of_names(names: np.ndarray, num_shards: int) -> np.ndarray:
 def components(size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """For each of ``size`` nodes, the lowest node of its connected component under the edges ``a[i]``-``b[i]``.
 
-    Vectorised hooking and pointer jumping over numpy arrays (a handful of passes, each O(edges)): the Python
-    union-find it replaces held a dict entry and a string per node. Every label only ever moves to a lower node of
-    the same component, and the loop ends when every edge's two ends share a label that is its own label; the
-    lowest node of a component is then that label, as nothing can move it lower.
+    Vectorised hooking and pointer jumping over numpy arrays (a handful of passes, each O(edges)), where a Python
+    union-find would hold a dict entry and a string per node. Every label only ever moves to a lower node of the
+    same component, and the loop ends when every edge's two ends share a label that is its own label; the lowest
+    node of a component is then that label, as nothing can move it lower.
     """
     label = np.arange(size, dtype=np.int64)
     while True:
@@ -219,7 +302,8 @@ def components(size: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class BucketIndex:
     """One shard: exact keys, LSH bucket entries and sketches (spilled to local disk, pipeline/steps/dedup_spill.py),
     the verified edges, and the labels it owns. Only what is a duplicate (edges, labels) stays in memory, as numpy
-    arrays: integer edges and string keys, not Python objects."""
+    arrays: integer edges and string keys, not Python objects. Its public methods are the phases of the module
+    docstring, each called on every shard by the coordinator."""
 
     def __init__(self, shard_id: int, config: DedupConfig, own_process: bool = False) -> None:
         """``own_process``: the shard runs in a process of its own (the executor's actors, the bench's children), whose
@@ -242,20 +326,13 @@ class BucketIndex:
         self._exact = Partitions(self.spill_dir, "exact", config.spill_partitions, words=2)
         # The sketches this shard owns (``shard_parts``), by their document's name: what the other shards ask for.
         self._sketch_names = Partitions(self.spill_dir, "sketch", config.spill_partitions, words=2)
-        self._shared: BucketGroups | None = None  # the shared buckets, once listed (collect_candidates)
-        # Per owner: the positions whose sketches this shard fetches from it, their names, and how many it has asked.
-        self._fetch: list[tuple[np.ndarray, np.ndarray]] = []
-        self._fetch_asked: list[int] = []
         self._removed_bytes = 0  # spill files removed before finalize, still counted in spilled_bytes
         self._band_docs = 0
-        self._graphs: dict[str, _Graph] = {}
-        # Labels of the nodes this shard owns, and of the nodes in its edges.
-        empty = np.empty(0, np.int64)
-        self._owned: dict[str, _Owned] = {kind: _Owned(NO_KEYS, empty) for kind in KINDS}
+        # The state between phases (see the module docstring), each kind's on its own from phase 4 on.
+        self._candidates: _Candidates | None = None  # phases 2-4
+        self._nodes: dict[str, _Nodes] = {}  # phases 4-10, as a holder of edges: by kind, until claimed
+        self._owned: dict[str, _Owned] = {}  # phases 5-9, as an owner: by kind
         self._duplicates: dict[str, _Duplicates] = {kind: _Duplicates(NO_KEYS, NO_KEYS) for kind in KINDS}
-        self._view: dict[str, np.ndarray] = {}
-        self._requests: dict[str, list[np.ndarray]] = {}  # as owner: the names each shard asks it for
-        self._asked: dict[str, list[np.ndarray]] = {}  # as asker: which of its nodes it asks each owner for
         self.stats = {
             "exact_seconds": 0.0,
             "minhash_seconds": 0.0,
@@ -269,7 +346,23 @@ class BucketIndex:
             "sketches_served": 0,
         }
 
-    # ---- building the index ----
+    def _candidates_listed(self) -> _Candidates:
+        """The candidates of phase 2, once listed."""
+        if self._candidates is None:
+            raise RuntimeError(f"dedup index shard {self.shard_id}: collect_candidates has not run")
+        return self._candidates
+
+    def _nodes_at(self, kind: str, phase: type[_Phase]) -> _Phase:
+        """A kind's nodes at a holder of edges, which must be at ``phase``: the phases' order, checked."""
+        nodes = self._nodes.get(kind)
+        if not isinstance(nodes, phase):
+            raise RuntimeError(
+                f"dedup index shard {self.shard_id}: its {kind} nodes are at {type(nodes).__name__}, "
+                f"not {phase.__name__}; the phases run in the module docstring's order"
+            )
+        return nodes
+
+    # ---- phase 1: add ----
 
     def add(
         self,
@@ -344,7 +437,7 @@ class BucketIndex:
             lacking.extend(position for position, has in members if not has)
         return [position for position, _ in members]
 
-    # ---- verification: the candidates' sketches fetched from their owners, then each shared bucket verified ----
+    # ---- phase 2: collect candidates ----
 
     def collect_candidates(self, num_shards: int) -> int:
         """List the shared buckets (each its members in key order, on disk) and the members whose sketches another
@@ -365,7 +458,6 @@ class BucketIndex:
         before = self.spilled_bytes()
         self._bands.remove()
         self._removed_bytes += before - self.spilled_bytes()
-        self._shared = shared
         wanted = np.union1d(wanted, np.frombuffer(lacking, np.int64))
         del lacking
         owners = np.empty(len(wanted), np.int64)
@@ -377,19 +469,19 @@ class BucketIndex:
             names[begin : begin + len(keys)] = node_names(keys)
         order = ask_order(names, self.config.spill_partitions)
         wanted, names, owners = wanted[order], names[order], owners[order]
-        self._fetch = [(wanted[owners == j], names[owners == j]) for j in range(num_shards)]
-        self._fetch_asked = [0] * num_shards
+        fetches = tuple(_Fetch(wanted[owners == j], names[owners == j], 0) for j in range(num_shards))
+        self._candidates = _Candidates(shared, fetches)
         self.stats["verify_seconds"] += time.perf_counter() - started
         return len(wanted)
 
-    def ask_sketches(self, num_shards: int, most: int) -> Any:
-        """The names of the next sketches (at most ``most``) this shard fetches from each owner."""
-        asked = []
-        for j, (_, names) in enumerate(self._fetch):
-            asked.append(names[self._fetch_asked[j] : self._fetch_asked[j] + most])
-        return _parts(asked)
+    # ---- phase 3: fetch sketches (ask_sketches, serve_sketches, take_sketches; a round each) ----
 
-    def serve_sketches(self, *asked: np.ndarray) -> Any:
+    def ask_sketches(self, num_shards: int, most: int) -> PerShard[np.ndarray]:
+        """The names of the next sketches (at most ``most``) this shard fetches from each owner."""
+        fetches = self._candidates_listed().fetches
+        return tuple(fetch.names[fetch.asked : fetch.asked + most] for fetch in fetches)
+
+    def serve_sketches(self, *asked: np.ndarray) -> PerShard[tuple[np.ndarray, np.ndarray]]:
         """As owner: the sketches each shard asked for (by name), as (lengths, values end to end) per shard."""
         started = time.perf_counter()
         answers = []
@@ -409,28 +501,33 @@ class BucketIndex:
             answers.append((lengths, values))
             self.stats["sketches_served"] += len(sketches)
         self.stats["verify_seconds"] += time.perf_counter() - started
-        return _parts(answers)
+        return tuple(answers)
 
     def take_sketches(self, *answers: tuple[np.ndarray, np.ndarray]) -> int:
         """Keep the sketches each owner answered (in the order asked) with their documents' records; returns how
         many this shard has still to fetch."""
         started = time.perf_counter()
-        for j, (lengths, values) in enumerate(answers):
-            positions = self._fetch[j][0][self._fetch_asked[j] : self._fetch_asked[j] + len(lengths)]
-            self._records.attach(positions, lengths, values)
-            self._fetch_asked[j] += len(lengths)
+        candidates = self._candidates_listed()
+        fetches = []
+        for fetch, (lengths, values) in zip(candidates.fetches, answers, strict=True):
+            self._records.attach(fetch.positions[fetch.asked : fetch.asked + len(lengths)], lengths, values)
+            fetches.append(fetch._replace(asked=fetch.asked + len(lengths)))
             self.stats["sketches_fetched"] += len(lengths)
+        self._candidates = candidates._replace(fetches=tuple(fetches))
         self.stats["verify_seconds"] += time.perf_counter() - started
-        return sum(len(positions) - asked for (positions, _), asked in zip(self._fetch, self._fetch_asked, strict=True))
+        return self._candidates.unfetched()
+
+    # ---- phase 4: verify ----
 
     def finalize(self) -> int:
         """Verify the candidates of every shared bucket; a member joins the first (lowest-key) verified center.
         Exact keys shared by two or more documents join them to the lowest key. Members are taken in key order,
         so the edges do not depend on the order documents arrived in. The documents' and buckets' spill files are
-        removed after; the edges' node keys stay on disk until the clusters are resolved (``claim``)."""
-        if self._shared is None:  # a shard verified alone holds every sketch it needs
+        removed after; the edges' node keys stay on disk until the clusters are resolved (``claim``). Returns how
+        many near edges (exact ones included) this shard found."""
+        if self._candidates is None:  # a shard verified alone holds every sketch it needs
             self.collect_candidates(1)
-        assert self._shared is not None
+        candidates = self._candidates_listed()
         started = time.perf_counter()
         self.stats["spilled_bytes"] = self.spilled_bytes()
         exact = array("q")  # edges as flat (position, position) pairs
@@ -443,7 +540,7 @@ class BucketIndex:
         # A pair sharing several bands is verified once: 0 not similar, 1 similar, EDGE_KEPT its edge recorded.
         cache: dict[int, int] = {}
         near = array("q")
-        for members in self._shared:
+        for members in candidates.shared:
             centers: list[int] = []
             sketches: dict[int, np.ndarray | None] = {}
             for member in members:
@@ -459,21 +556,22 @@ class BucketIndex:
         exact_pairs = np.frombuffer(exact, np.int64).reshape(-1, 2)
         near_pairs = np.frombuffer(near, np.int64).reshape(-1, 2)  # each pair once (EDGE_KEPT)
         # An exact duplicate is also a near one.
-        self._graphs = self._edge_graphs({"exact": exact_pairs, "near": np.concatenate([exact_pairs, near_pairs])})
+        named = self._named_edges({"exact": exact_pairs, "near": np.concatenate([exact_pairs, near_pairs])})
+        self._nodes = dict(named)
         self._records.remove()
-        self._shared.remove()
+        candidates.shared.remove()
         self._sketch_names.remove()
         self._exact.remove()
         self.stats["verify_seconds"] += time.perf_counter() - started
-        return len(self._graphs["near"].a)
+        return len(named["near"].edges.a)
 
-    def _edge_graphs(self, pairs: dict[str, np.ndarray]) -> dict[str, _Graph]:
-        """Each kind's position pairs as a graph over the positions, each edge once, with the key at each (copied
+    def _named_edges(self, pairs: dict[str, np.ndarray]) -> dict[str, _Named]:
+        """Each kind's position pairs as edges over the positions, each edge once, with the key at each node (copied
         from the records to the kind's node keys file, a chunk at a time) and its name. Names are not sorted here:
         the owners sort them once (``register``), and give the copies of one document (a retried batch) the same
         id."""
         positions, end_at = np.unique(np.concatenate([p.reshape(-1) for p in pairs.values()]), return_inverse=True)
-        graphs, start = {}, 0
+        named, start = {}, 0
         for kind, kind_pairs in pairs.items():
             ends = np.sort(end_at[start : start + kind_pairs.size].reshape(-1, 2), axis=1)
             start += kind_pairs.size
@@ -487,8 +585,8 @@ class BucketIndex:
                 keys = self._records.keys(rows[begin : begin + _KEY_CHUNK], width)
                 node_keys.append(keys)
                 names[begin : begin + len(keys)] = node_names(keys)
-            graphs[kind] = _Graph(node_keys, names, ends[:, 0].copy(), ends[:, 1].copy())
-        return graphs
+            named[kind] = _Named(_Edges(node_keys, ends[:, 0].copy(), ends[:, 1].copy()), names)
+        return named
 
     def spilled_bytes(self) -> int:
         """Bytes this shard has written to its spill files so far (documents, sketches, bucket entries), those it
@@ -508,23 +606,23 @@ class BucketIndex:
         finally:
             self._removal()
 
-    # ---- min-label propagation (see the module docstring) ----
+    # ---- phases 5 to 10: min-label propagation, one kind at a time (see the module docstring) ----
     # Names cross between shards once, for the owners to give each node an integer id; keys cross once, for each
     # cluster's lowest key and the duplicates. Every round in between moves only integer ids.
 
-    def requests(self, kind: str, num_shards: int) -> Any:
-        """The names of this shard's nodes, split by owner: what it asks each owner to give an id."""
-        graph = self._graphs[kind]
-        names = graph.names
+    def requests(self, kind: str, num_shards: int) -> PerShard[np.ndarray]:
+        """Phase 5, as a holder of edges: the names of this shard's nodes, split by owner: what it asks each owner to
+        give an id. The owners keep the names; this shard goes on with the ids they give (``adopt``)."""
+        named = self._nodes_at(kind, _Named)
+        names = named.names
         owners = owners_of_names(names, num_shards)
-        # The same nodes are refreshed from the same owners every round.
-        self._asked[kind] = [np.flatnonzero(owners == j) for j in range(num_shards)]
-        graph.names = NO_KEYS  # the owners keep the names; this shard goes on with the ids they give (adopt)
-        return _parts([names if len(asked) == len(names) else names[asked] for asked in self._asked[kind]])
+        asked = tuple(np.flatnonzero(owners == j) for j in range(num_shards))
+        self._nodes[kind] = _Asked(named.edges, asked)
+        return tuple(names if len(nodes) == len(names) else names[nodes] for nodes in asked)
 
-    def register(self, kind: str, *asked: np.ndarray) -> Any:
-        """As owner: keep the names the shards ask about, sorted, and answer each shard with their ids. A node's
-        id is its rank among its owner's names times the shard count plus the owner's number: unique, and its
+    def register(self, kind: str, *asked: np.ndarray) -> PerShard[np.ndarray]:
+        """Phase 5, as owner: keep the names the shards ask about, sorted, and answer each shard with their ids. A
+        node's id is its rank among its owner's names times the shard count plus the owner's number: unique, and its
         owner is ``id % shards``. Id order is not key order; the lowest key is found after the propagation."""
         num_shards = len(asked)
         names = np.concatenate(asked)
@@ -532,36 +630,39 @@ class BucketIndex:
         first = first_of_runs(names)
         if not first.all():  # a node asked twice (two shards, or a retried batch's copies): one copy
             names = names[first]
-        self._owned[kind] = _Owned(names, np.arange(len(names), dtype=np.int64) * num_shards + self.shard_id)
-        self._requests[kind] = [np.searchsorted(names, a) for a in asked]
-        return _parts([self._owned[kind].labels[rank] for rank in self._requests[kind]])
+        labels = np.arange(len(names), dtype=np.int64) * num_shards + self.shard_id  # each node's id, at first
+        owned = _Owned(names, labels, tuple(np.searchsorted(names, names_asked) for names_asked in asked))
+        self._owned[kind] = owned
+        return tuple(owned.labels[ranks] for ranks in owned.ranks)
 
     def adopt(self, kind: str, *ids: np.ndarray) -> int:
-        """Take the ids the owners gave this shard's nodes."""
-        graph = self._graphs[kind]
-        graph.ids = np.empty(sum(len(asked) for asked in self._asked[kind]), np.int64)
-        for asked, owner_ids in zip(self._asked[kind], ids, strict=True):
-            graph.ids[asked] = owner_ids
-        self._view[kind] = graph.ids.copy()
-        return len(graph.ids)
+        """Phase 6: take the ids the owners gave this shard's nodes, which are also their first labels."""
+        state = self._nodes_at(kind, _Asked)
+        node_ids = np.empty(sum(len(nodes) for nodes in state.asked), np.int64)
+        for nodes, owner_ids in zip(state.asked, ids, strict=True):
+            node_ids[nodes] = owner_ids
+        self._nodes[kind] = _Labelled(state.edges, state.asked, node_ids, node_ids.copy())
+        return len(node_ids)
 
-    def propose(self, kind: str) -> Any:
-        """For each node of its edges, the lowest label of its local component (edges plus the labels it has)."""
+    def propose(self, kind: str) -> PerShard[np.ndarray]:
+        """Phase 7, as a holder of edges: for each node of its edges, the lowest label of its local component (edges
+        plus the labels it has), as (ids, labels) for each owner."""
         started = time.perf_counter()
-        graph, view = self._graphs[kind], self._view[kind]
-        universe = np.unique(np.concatenate([graph.ids, view]))  # its nodes and the labels it has heard of
-        node_at = np.searchsorted(universe, graph.ids)
+        state = self._nodes_at(kind, _Labelled)
+        edges, ids, view = state.edges, state.ids, state.labels
+        universe = np.unique(np.concatenate([ids, view]))  # its nodes and the labels it has heard of
+        node_at = np.searchsorted(universe, ids)
         lowest = components(
             len(universe),
-            np.concatenate([node_at[graph.a], node_at]),
-            np.concatenate([node_at[graph.b], np.searchsorted(universe, view)]),
+            np.concatenate([node_at[edges.a], node_at]),
+            np.concatenate([node_at[edges.b], np.searchsorted(universe, view)]),
         )
         labels = universe[lowest[node_at]]
         self.stats["resolve_seconds"] += time.perf_counter() - started
-        return _parts([np.stack([graph.ids[asked], labels[asked]]) for asked in self._asked[kind]])
+        return tuple(np.stack([ids[nodes], labels[nodes]]) for nodes in state.asked)
 
     def receive(self, kind: str, *proposals: np.ndarray) -> int:
-        """As owner: keep each node's lowest label; returns how many labels went lower."""
+        """Phase 7, as owner: keep each node's lowest label; returns how many labels went lower."""
         owned = self._owned[kind]
         before = owned.labels.copy()
         for nodes, labels in proposals:
@@ -569,57 +670,62 @@ class BucketIndex:
         self.stats["rounds"] += 1
         return int(np.count_nonzero(owned.labels != before))
 
-    def answer(self, kind: str) -> Any:
-        labels = self._owned[kind].labels
-        return _parts([labels[rank] for rank in self._requests[kind]])
+    def answer(self, kind: str) -> PerShard[np.ndarray]:
+        """Phase 8, as owner: the labels of the nodes each shard asked about (``register``), in its order."""
+        owned = self._owned[kind]
+        return tuple(owned.labels[ranks] for ranks in owned.ranks)
 
     def refresh(self, kind: str, *answers: np.ndarray) -> int:
-        view = self._view[kind]
-        for asked, labels in zip(self._asked[kind], answers, strict=True):
-            view[asked] = labels
-        return len(view)
+        """Phase 8, as a holder of edges: update this shard's view of its nodes' labels with the owners' answers."""
+        state = self._nodes_at(kind, _Labelled)
+        for nodes, labels in zip(state.asked, answers, strict=True):
+            state.labels[nodes] = labels
+        return len(state.labels)
 
-    def lowest_keys(self, kind: str, num_shards: int) -> Any:
-        """Once the labels are final (this shard's view of them is): for each label its nodes have, the lowest of
-        their keys, sent to the label's owner. Keys are read back in label order, a chunk of whole labels at a
-        time. As an owner this shard is done with the kind's names and labels: they go."""
+    def lowest_keys(self, kind: str, num_shards: int) -> PerShard[tuple[np.ndarray, np.ndarray]]:
+        """Phase 9, once the labels are final (this shard's view of them is): for each label its nodes have, the
+        lowest of their keys, as (labels, keys) for each label's owner. Keys are read back in label order, a chunk of
+        whole labels at a time. As an owner this shard is done with the kind's names and labels: they go."""
         self._owned.pop(kind, None)
-        self._requests.pop(kind, None)
-        graph, labels = self._graphs[kind], self._view[kind]
+        state = self._nodes_at(kind, _Labelled)
+        node_keys, labels = state.edges.keys, state.labels
         order = np.argsort(labels, kind="stable")
         starts = np.flatnonzero(first_of_runs(labels[order]))  # where each label's nodes begin, in that order
-        sent, lowest = labels[order[starts]], np.empty(len(starts), graph.keys.dtype)
+        sent, lowest = labels[order[starts]], np.empty(len(starts), node_keys.dtype)
         begin = 0
         while begin < len(order):
             run = int(np.searchsorted(starts, begin + _KEY_CHUNK))  # the chunk ends where a label begins
             end = int(starts[run]) if run < len(starts) else len(order)
             rows = order[begin:end]
-            keys, chunk_labels = graph.keys.read(rows), labels[rows]
+            keys, chunk_labels = node_keys.read(rows), labels[rows]
             by_key = np.lexsort((keys, chunk_labels))  # labels are already in order: each label's keys sorted
             first_runs = int(np.searchsorted(starts, begin))
             lowest[first_runs:run] = keys[by_key[first_of_runs(chunk_labels[by_key])]]
             begin = end
         owner = sent % num_shards
-        return _parts([(sent[owner == j], lowest[owner == j]) for j in range(num_shards)])
+        return tuple((sent[owner == j], lowest[owner == j]) for j in range(num_shards))
 
-    def settle(self, kind: str, *lowest: tuple[np.ndarray, np.ndarray]) -> Any:
-        """As a label's owner: the lowest key over every shard's lowest, answered to each shard for its labels."""
+    def settle(self, kind: str, *lowest: tuple[np.ndarray, np.ndarray]) -> PerShard[np.ndarray]:
+        """Phase 9, as a label's owner: the lowest key over every shard's lowest, answered to each shard for its
+        labels."""
         labels = _joined([part[0] for part in lowest])
         keys = _joined([part[1] for part in lowest])
         order = np.lexsort((keys, labels))  # by label, then key: each label's lowest key first
         chosen = order[first_of_runs(labels[order])]  # indexed once: keys[order] would copy every key
         del order
         labels, keys = labels[chosen], keys[chosen]
-        return _parts([keys[np.searchsorted(labels, part[0])] for part in lowest])
+        return tuple(keys[np.searchsorted(labels, part[0])] for part in lowest)
 
-    def claim(self, kind: str, *lowest: np.ndarray) -> Any:
-        """With each label's lowest key (``lowest``, from each label owner, for the labels sent it): the
-        duplicates among this shard's nodes (a node whose key is not its cluster's lowest), as their keys and the
-        key kept for each, sent to each node's owner. This kind's graph is done with here; once every kind's is,
-        so are the spill files."""
+    def claim(self, kind: str, *lowest: np.ndarray) -> PerShard[tuple[np.ndarray, np.ndarray]]:
+        """Phase 10, as a holder of edges, with each label's lowest key (``lowest``, from each label owner, for the
+        labels sent it): the duplicates among this shard's nodes (a node whose key is not its cluster's lowest), as
+        their keys and the key kept for each, for each node's owner. This kind's nodes are done with here; once
+        every kind's are, so are the spill files."""
         num_shards = len(lowest)
-        graph, labels = self._graphs.pop(kind), self._view.pop(kind)
-        self._asked.pop(kind, None)
+        state = self._nodes_at(kind, _Labelled)
+        del self._nodes[kind]
+        node_keys, ids, labels = state.edges.keys, state.ids, state.labels
+        del state  # labels go below, before the keys are read back
         sent = np.unique(labels)  # what lowest_keys sent, grouped as it sent them: by the label's owner
         sent = np.concatenate([sent[sent % num_shards == j] for j in range(num_shards)])
         kept_keys = _joined(list(lowest))
@@ -631,13 +737,13 @@ class BucketIndex:
         chunks = [(begin, min(begin + _KEY_CHUNK, len(kept_at))) for begin in range(0, len(kept_at), _KEY_CHUNK)]
         duplicate = np.zeros(len(kept_at), bool)
         for begin, end in chunks:
-            duplicate[begin:end] = graph.keys.read_range(begin, end) != kept_keys[kept_at[begin:end]]
-        owner = np.where(duplicate, graph.ids % num_shards, -1)  # -1: not a duplicate, sent nowhere
+            duplicate[begin:end] = node_keys.read_range(begin, end) != kept_keys[kept_at[begin:end]]
+        owner = np.where(duplicate, ids % num_shards, -1)  # -1: not a duplicate, sent nowhere
         counts = np.bincount(owner[duplicate], minlength=num_shards)
-        parts = [(np.empty(count, graph.keys.dtype), np.empty(count, kept_keys.dtype)) for count in counts.tolist()]
+        parts = [(np.empty(count, node_keys.dtype), np.empty(count, kept_keys.dtype)) for count in counts.tolist()]
         filled = [0] * num_shards
         for begin, end in chunks:
-            chunk_keys = graph.keys.read_range(begin, end)
+            chunk_keys = node_keys.read_range(begin, end)
             for j in range(num_shards):
                 mine = owner[begin:end] == j
                 n = int(mine.sum())
@@ -646,13 +752,13 @@ class BucketIndex:
                     keys[filled[j] : filled[j] + n] = chunk_keys[mine]
                     kept[filled[j] : filled[j] + n] = kept_keys[kept_at[begin:end][mine]]
                     filled[j] += n
-        if not self._graphs:
+        if not self._nodes:
             self.close()
-        return _parts(parts)
+        return tuple(parts)
 
     def accept(self, kind: str, *claims: tuple[np.ndarray, np.ndarray]) -> int:
-        """As owner: keep each of its duplicates once (several shards' edges, or a retried batch's copies, can
-        hold the same document), in key order, with the key kept in its place. Returns how many duplicates it
+        """Phase 10, as owner: keep each of its duplicates once (several shards' edges, or a retried batch's copies,
+        can hold the same document), in key order, with the key kept in its place. Returns how many duplicates it
         owns."""
         keys = _joined([claim[0] for claim in claims])
         by_key = np.argsort(keys)  # decision_arrays searches the near duplicates' keys
@@ -663,7 +769,15 @@ class BucketIndex:
         self._duplicates[kind] = _Duplicates(keys, _joined([claim[1] for claim in claims])[by_key])
         return len(keys)
 
-    # ---- results ----
+    def only_part(self, method: str, *args: Any) -> Any:
+        """With one shard, the one part that the phase ``method`` sends (as ``method(*args)[0]``). Ray stores a call's
+        result whole when it has one return value (``num_returns=1``), a 1-tuple included, where with n > 1 it
+        stores each of the n parts apart; so with one shard the coordinator calls a sending phase through here
+        (``_each_split``) and the shard's next call gets the part itself, as it would with several shards."""
+        (part,) = getattr(self, method)(*args)
+        return part
+
+    # ---- phase 11: decisions ----
 
     def decision_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(keys, stages, kept keys) of every duplicate this shard owns, as UTF-8 byte-string arrays."""
@@ -712,11 +826,6 @@ def _joined(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _parts(parts: list) -> Any:
-    """Several return values for Ray's ``num_returns``; one value (not a 1-tuple) when there is one shard."""
-    return tuple(parts) if len(parts) > 1 else parts[0]
-
-
 class ShardCalls(Protocol):
     """How the coordinator calls every shard: directly in-process, or as Ray actor methods."""
 
@@ -734,68 +843,69 @@ class InProcess:
 
 
 # Sketches a shard fetches per round, split evenly over the owners it asks (and so at most what an owner serves per
-# round): about 6.5 MB with 400-hash sketches, so that a shard's memory grows neither with how many candidates it
-# verifies nor with the number of shards.
+# round), so that a shard's memory grows neither with how many candidates it verifies nor with the number of shards.
 FETCH_CHUNK = 4096
 
 
-def _each_split(shards: Sequence, calls: ShardCalls, method: str, args: Sequence[tuple]) -> list:
-    """Call ``method`` on every shard; per shard, its n return values (one per destination shard)."""
+def _each_split(shards: Sequence, calls: ShardCalls, method: str, args: Sequence[tuple]) -> list[list]:
+    """Call the sending phase ``method`` on every shard; per shard, its parts (references, on Ray), one per
+    destination shard: ``[i][j]`` is what shard i sends shard j."""
     n = len(shards)
-    results = calls.each(shards, method, args, num_returns=n)
-    return results if n > 1 else [[r] for r in results]
+    if n == 1:  # the part itself, not a 1-tuple (BucketIndex.only_part)
+        return [[part] for part in calls.each(shards, "only_part", [(method, *a) for a in args])]
+    return calls.each(shards, method, args, num_returns=n)
 
 
 def _exchange(shards: Sequence, calls: ShardCalls, sent: list, method: str, lead: tuple, split: bool = False) -> list:
     """Call ``method`` on every shard j with ``lead`` then what each shard i sent it (``sent[i][j]``); ``split``:
-    its results are one per destination shard."""
+    ``method`` sends every shard a part (as ``_each_split``)."""
     n = len(shards)
     args = [(*lead, *[sent[i][j] for i in range(n)]) for j in range(n)]
     return _each_split(shards, calls, method, args) if split else calls.each(shards, method, args)
 
 
 def verify_candidates(shards: Sequence, calls: ShardCalls) -> None:
-    """Every shard lists its shared buckets, fetches the sketches of their members that other shards own (each
-    document's sketch is stored once, at its owner: ``shard_parts``), then verifies them."""
+    """Phases 2 to 4 on every shard: each lists its shared buckets, fetches the sketches of their members that other
+    shards own (each document's sketch is stored once, at its owner: ``shard_parts``), then verifies them."""
     n = len(shards)
-    wanted = sum(calls.get(calls.each(shards, "collect_candidates", [(n,)] * n)))
+    wanted = sum(calls.get(calls.each(shards, "collect_candidates", [(n,)] * n)))  # 2
     per_owner = max(FETCH_CHUNK // max(n - 1, 1), 1)
-    while wanted:
+    while wanted:  # 3
         asked = _each_split(shards, calls, "ask_sketches", [(n, per_owner)] * n)
         answers = _exchange(shards, calls, asked, "serve_sketches", (), split=True)
         wanted = sum(calls.get(_exchange(shards, calls, answers, "take_sketches", ())))
-    calls.get(calls.each(shards, "finalize", [()] * n))
+    calls.get(calls.each(shards, "finalize", [()] * n))  # 4
 
 
 def label_clusters(shards: Sequence, calls: ShardCalls) -> None:
-    """With every shard's verified edges: label every node with the lowest key of its cluster."""
+    """Phases 5 to 10 on every shard, for each kind: with every shard's verified edges, find each cluster's lowest
+    key, and give each duplicate, at its owner, the key kept in its place."""
     n = len(shards)
     for kind in KINDS:
-        ids = _exchange(
-            shards, calls, _each_split(shards, calls, "requests", [(kind, n)] * n), "register", (kind,), True
-        )
-        calls.get(_exchange(shards, calls, ids, "adopt", (kind,)))
+        names = _each_split(shards, calls, "requests", [(kind, n)] * n)  # 5
+        ids = _exchange(shards, calls, names, "register", (kind,), split=True)
+        calls.get(_exchange(shards, calls, ids, "adopt", (kind,)))  # 6
         while True:
-            proposals = _each_split(shards, calls, "propose", [(kind,)] * n)
+            proposals = _each_split(shards, calls, "propose", [(kind,)] * n)  # 7
             if not sum(calls.get(_exchange(shards, calls, proposals, "receive", (kind,)))):
                 break
-            answers = _each_split(shards, calls, "answer", [(kind,)] * n)
+            answers = _each_split(shards, calls, "answer", [(kind,)] * n)  # 8
             calls.get(_exchange(shards, calls, answers, "refresh", (kind,)))
-        lowest_keys = _each_split(shards, calls, "lowest_keys", [(kind, n)] * n)
+        lowest_keys = _each_split(shards, calls, "lowest_keys", [(kind, n)] * n)  # 9
         lowest = _exchange(shards, calls, lowest_keys, "settle", (kind,), split=True)
-        claims = _exchange(shards, calls, lowest, "claim", (kind,), split=True)
+        claims = _exchange(shards, calls, lowest, "claim", (kind,), split=True)  # 10
         calls.get(_exchange(shards, calls, claims, "accept", (kind,)))
 
 
 def resolve_clusters(shards: Sequence, calls: ShardCalls) -> None:
-    """Verify candidates in every shard, then label every node with the lowest key of its cluster."""
+    """Verify candidates in every shard, then label every node with the lowest key of its cluster (phases 2 to 10)."""
     verify_candidates(shards, calls)
     label_clusters(shards, calls)
 
 
 def shard_parts(batch: dict, num_shards: int) -> list[dict]:
-    """The parts of a keyed batch the index shards receive, one per shard: exact keys by hash, LSH bands by band
-    index. Each key's owners are found once for all shards (n CRC-32s a document were one per shard)."""
+    """The parts of a keyed batch the index shards receive (phase 1), one per shard: exact keys by hash, LSH bands by
+    band index. Each key's owners are found once for all shards, rather than once per shard."""
     doc_keys = batch["doc_keys"]
     exact: list[list] = [[] for _ in range(num_shards)]
     if batch["exact_keys"] is not None:

@@ -7,8 +7,7 @@ buckets that hold two or more documents, which it lists (``BucketGroups``) while
 (``Partitions.find`` at their owner, ``DocRecords.attach`` here). A shard's resident memory is its write buffers
 (the bucket entries not yet flushed, and up to ``PENDING_WRITES`` batches of documents its writer thread has yet to
 write) plus one sorted partition, and a partition grown past ``max_sort_entries`` (a corpus too big for its
-``spill_partitions``) is split on disk before it is sorted, so that memory stays bounded whatever the corpus; the
-in-memory index held every key, bucket and sketch.
+``spill_partitions``) is split on disk before it is sorted, so that memory stays bounded whatever the corpus.
 
 Written here rather than taken from a library: datasketch's LSH keeps its tables in memory (or in Redis or
 Cassandra, a service to run), and datatrove's disk-sorted MinHash is bound to its own pipeline executor.
@@ -28,7 +27,7 @@ import numpy as np
 # the bytes each, where a Python string costs ~50 bytes more in objects the allocator seldom gives back, and sorted,
 # compared and searched without a Python loop. UTF-8's byte order is the code point order Python sorts strings
 # by; padding with NUL keeps that order because a key never ends in NUL (it ends in its record offset).
-# (numpy's variable-width StringDType was the first choice; its searchsorted gives wrong answers in numpy 2.3.)
+# (Not numpy's variable-width StringDType: its searchsorted gives wrong answers in numpy 2.3.)
 NO_KEYS = np.array([], dtype="S1")
 _MAX_SPLITS = 3  # a file still too big after three splits holds one key many times over: it is sorted as it is
 _NO_SKETCH = 0xFFFFFFFF  # a record's sketch length when the document was added without one
@@ -55,9 +54,8 @@ class DocRecords:
 
     Keys and sketches are in files of their own: verification reads a bucket's keys every time the bucket comes
     up (a near-duplicate pair shares most of a shard's bands) but a pair's sketches only until the pair is
-    verified. At 10⁷ synthetic documents with 1% planted copies, one shard of 2 read 198,013 sketches over
-    1,011,121 shared buckets, where it had read a sketch with each member's key in every bucket (a profile of
-    finalize)."""
+    verified, so a sketch is not read again with its key in every bucket (pipeline/README.md has the
+    measurements)."""
 
     _INDEX = np.dtype([("key_offset", "<u8"), ("sketch_offset", "<u8"), ("key_len", "<u4"), ("sketch_len", "<u4")])
 
@@ -70,9 +68,8 @@ class DocRecords:
         self.count = 0
         self.dtype = np.dtype(sketch_dtype)
         # Appends are written by a thread of their own. Once a shard's spill outgrows what the kernel lets stay
-        # dirty in the page cache (10.9 GB at 10⁷ synthetic documents, against 20% of this machine's 24 GiB), each
-        # write waits for the disk; the shard meanwhile takes its next batch. At most PENDING_WRITES batches wait,
-        # and every read waits for all of them first (``settle``).
+        # dirty in the page cache, each write waits for the disk; the shard meanwhile takes its next batch. At most
+        # PENDING_WRITES batches wait, and every read waits for all of them first (``settle``).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dedup-spill-writer")
         self._pending: deque[Future] = deque()
 
@@ -203,8 +200,8 @@ class Partitions:
         self._entry = np.dtype([("key", "<u8", (words,)), ("pos", "<u8")])
         self._flush_entries = flush_entries
         # Grouping sorts one file's entries in memory, about 40 bytes each at its peak: a file holding more is
-        # split first, so a shard's memory does not grow with the corpus (2^19 entries: ~20 MB, less than the
-        # label propagation's peak; 256 files split only past 134M entries, 13M documents at 10 bands a shard).
+        # split first, so a shard's memory does not grow with the corpus (256 files of 2^19 entries are split only
+        # past 134M entries, 13M documents at 10 bands a shard).
         self._max_sort_entries = max_sort_entries
         self._pending: list[np.ndarray] = []
         self._pending_entries = 0
@@ -300,7 +297,7 @@ class Partitions:
         entries = np.fromfile(path, self._entry)
         keys = entries["key"]
         # Which of a key's entries comes first does not matter (a bucket's members are put in key order after), so
-        # a one-word key takes numpy's unstable argsort: 4x faster than lexsort on 390,000 keys.
+        # a one-word key takes numpy's unstable argsort, faster than lexsort.
         order = np.argsort(keys[:, 0]) if keys.shape[1] == 1 else np.lexsort(keys.T[::-1])
         keys, positions = keys[order], entries["pos"][order]
         del entries, order
