@@ -89,7 +89,7 @@ def measure(data: Path, root: Path, model: dict[str, Any], repeats: int) -> dict
     for r in range(repeats):
         # Synchronous save: the second of a run, like the async steady state below.
         out = root / f"sync{r}"
-        trainer = Trainer(make_config(data, out, model, async_save=False), CPU)
+        trainer = Trainer.from_config(make_config(data, out, model, async_save=False), CPU)
         params = sum(p.numel() for p in trainer.gpt.parameters())
         trainer.run_step()  # optimizer state exists, as in any real checkpoint
         trainer.checkpointer.save(trainer, trainer.step, ["periodic"], {})
@@ -101,7 +101,7 @@ def measure(data: Path, root: Path, model: dict[str, Any], repeats: int) -> dict
         nbytes = sum(p.stat().st_size for p in ckpt.iterdir())
 
         # Load into a fresh trainer.
-        fresh = Trainer(make_config(data, out, model, async_save=False), CPU)
+        fresh = Trainer.from_config(make_config(data, out, model, async_save=False), CPU)
         started = time.perf_counter()
         assert fresh.checkpointer.restore(fresh) is not None
         load_s.append(time.perf_counter() - started)
@@ -109,7 +109,7 @@ def measure(data: Path, root: Path, model: dict[str, Any], repeats: int) -> dict
         # Async save: the loop's blocked time while training continues. A run's first save allocates the
         # staging buffers; every later one copies into them (the steady state a long run lives in).
         out = root / f"async{r}"
-        trainer = Trainer(make_config(data, out, model, async_save=True), CPU)
+        trainer = Trainer.from_config(make_config(data, out, model, async_save=True), CPU)
         trainer.run_step()
         first_stall, _, _ = _async_save(trainer)
         trainer.run_step()

@@ -76,7 +76,7 @@ def build_trainer(data_dir: Path, out: Path, prefetch: int) -> Trainer:
         },
     )
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     if trainer.train_batches.prefetch_steps != prefetch:
         raise RuntimeError(
             f"the trainer's loader reads {trainer.train_batches.prefetch_steps} steps ahead, not {prefetch}"
@@ -85,16 +85,16 @@ def build_trainer(data_dir: Path, out: Path, prefetch: int) -> Trainer:
 
 
 def record_waits(variant: Variant) -> None:
-    """Collect what the training thread waited for data, by wrapping the loader's next_step on the instance."""
+    """Collect what the training thread waited for data, by wrapping the loader's load on the instance."""
     loader = variant.trainer.train_batches
-    next_step = loader.next_step
+    load = loader.load
 
-    def recording() -> StepBatches:
-        batches = next_step()
+    def recording(step: int) -> StepBatches:
+        batches = load(step)
         variant.waits.append(batches.wait_s)
         return batches
 
-    loader.next_step = recording  # type: ignore[method-assign]
+    loader.load = recording  # type: ignore[method-assign]
 
 
 def inject_read_delay(trainer: Trainer, delay_s: float) -> None:

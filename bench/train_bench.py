@@ -114,7 +114,7 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
         },
     )
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     torch.manual_seed(0)
     bare_model = GPT(config.model)
     tokens = np.memmap(load_manifest(data_dir).split("train")[0].path, dtype="<u2", mode="r")
@@ -228,7 +228,7 @@ def run_in_process(data_dir: str, out: str, steps: str, threads: str) -> None:
     overrides = parity_overrides(int(threads)) | {"data_dir": data_dir, "output_dir": out, "steps": int(steps)}
     config = load_config(REPO / "train" / "configs" / "demo.yaml", overrides)
     check_data(config)
-    train_to_completion(Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
+    train_to_completion(Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
 
 
 def thread_env(threads: int) -> dict[str, str]:

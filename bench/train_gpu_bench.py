@@ -144,7 +144,7 @@ def bare_loop(args: argparse.Namespace, ctx: DistContext) -> Callable[[int], Non
 
 
 def trainer_loop(args: argparse.Namespace, ctx: DistContext, name: str, **overrides: Any) -> Callable[[int], None]:
-    trainer = Trainer(trainer_config(args, args.out / name, **overrides), ctx)
+    trainer = Trainer.from_config(trainer_config(args, args.out / name, **overrides), ctx)
 
     def run(steps: int) -> None:
         for _ in range(steps):
@@ -216,7 +216,7 @@ def deterministic_runs(args: argparse.Namespace, ctx: DistContext) -> dict[str, 
     def run(name: str, stop_at: int | None = None, resume: bool = False) -> tuple[list[float], str, float]:
         extra = saving if (stop_at is not None or resume) else {}
         config = trainer_config(args, args.out / name, **common, **extra, **{"checkpoint.resume": resume})
-        trainer = Trainer(config, ctx)
+        trainer = Trainer.from_config(config, ctx)
         if resume:
             trainer.resume()
         losses, started, timed_from = [], time.perf_counter(), trainer.step + 1

@@ -52,20 +52,20 @@ def reference(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     # Module fixtures run before the function-scoped one_thread: a different thread count changes how
     # CPU reductions are split, hence the last bits of the weights.
     torch.set_num_threads(1)
-    trainer = Trainer(make_config(token_dir, out), CPU)
+    trainer = Trainer.from_config(make_config(token_dir, out), CPU)
     trainer.train()
     return out, weights(trainer)
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(token_dir: Path, tmp_path: Path, reference) -> None:
     ref_dir, ref_weights = reference
-    first = Trainer(make_config(token_dir, tmp_path), CPU)
+    first = Trainer.from_config(make_config(token_dir, tmp_path), CPU)
     for _ in range(STEPS // 2):
         first.run_step()
     first.checkpointer.close()  # the process "stops" here; a new one resumes
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_step_000000004"]
 
-    resumed = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
+    resumed = Trainer.from_config(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
     resumed.train()
     assert resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000004"
     assert resumed.resumed_from[0]["data_changed"] is False
@@ -93,7 +93,7 @@ def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    trainer = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2}), CPU)
+    trainer = Trainer.from_config(make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2}), CPU)
     for _ in range(2):
         trainer.run_step()
     good = trainer.checkpointer.last_committed
@@ -114,7 +114,7 @@ def test_save_cut_off_mid_write_leaves_previous_checkpoint_latest(
         verify(broken)
     assert excinfo.value.file == MANIFEST_FILE
 
-    resumed = Trainer(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
+    resumed = Trainer.from_config(make_config(token_dir, tmp_path, **{"checkpoint.resume": True}), CPU)
     restored = resumed.checkpointer.restore(resumed)
     assert restored is not None and restored.name == good and resumed.step == 2
     assert len(restored.skipped) == 1 and "checkpoint_step_000000004" in restored.skipped[0]
@@ -156,12 +156,11 @@ def test_flipped_byte_fails_verification_and_names_the_file(token_dir: Path, ref
 
 def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2, "checkpoint.rollback_after_bad": 1})
-    trainer = Trainer(config, CPU)
+    trainer = Trainer.from_config(config, CPU)
     poisoned_data_step = 5
 
     def hook(module, inputs, output):
-        # next_step has already advanced the data position past the batch being used.
-        return output * float("nan") if trainer.train_batches.step - 1 == poisoned_data_step else output
+        return output * float("nan") if trainer.data_step == poisoned_data_step else output
 
     trainer.gpt.blocks[0].register_forward_hook(hook)
     trainer.train()  # without the rollback this data would be retried forever... it is skipped instead
@@ -171,7 +170,7 @@ def test_rollback_restores_last_checkpoint_and_skips_the_bad_data_window(token_d
     assert rollback["bad_step"] == 5 and rollback["restored"] == "checkpoint_step_000000004"
     assert rollback["restored_step"] == 4 and rollback["skipped_data_steps"] == [4, 6]
     assert rollback["skipped_global_samples"] == [32, 48]
-    assert trainer.train_batches.step == STEPS + 2  # two data steps were skipped
+    assert trainer.data_step == STEPS + 2  # two data steps were skipped
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 5, 4, 5, 6, 7]
     assert records[4]["skipped"] and records[4]["rolled_back_to"] == 4
@@ -186,10 +185,10 @@ def test_rollback_can_lower_the_learning_rate_for_a_while(token_dir: Path, tmp_p
         "checkpoint.rollback_lr_steps": 2,
     }
     config = make_config(token_dir, tmp_path, **extra)
-    trainer = Trainer(config, CPU)
+    trainer = Trainer.from_config(config, CPU)
 
     def hook(module, inputs, output):
-        return output * float("nan") if trainer.train_batches.step - 1 == 5 else output
+        return output * float("nan") if trainer.data_step == 5 else output
 
     trainer.gpt.blocks[0].register_forward_hook(hook)
     trainer.train()
@@ -203,6 +202,40 @@ def test_rollback_can_lower_the_learning_rate_for_a_while(token_dir: Path, tmp_p
     assert trainer.state_dict()["progress"]["lr_cooldown_until"] == 6
 
 
+def test_after_a_rollback_every_step_trains_on_the_data_step_the_trainer_names(token_dir: Path, tmp_path: Path) -> None:
+    """One step counter: after a rollback the batch a step trains on is the one at ``Trainer.data_step``, and a
+    later bad step's report names the data that step really consumed (not the data of its step number)."""
+    config = make_config(token_dir, tmp_path, **{"checkpoint.interval_steps": 2, "checkpoint.rollback_after_bad": 1})
+    trainer = Trainer.from_config(config, CPU)
+    # Poisoned by content, whatever step draws it: the first micro-batch of data steps 5 and 7.
+    poisoned = [trainer.train_batches.read_step(s)[0][:, :-1] for s in (5, 7)]
+    drawn_elsewhere: list[int] = []  # training steps whose tokens are not those of the trainer's data step
+    current: list[torch.Tensor] = []
+
+    def before_forward(module, args):
+        tokens = args[0]
+        current[:] = [tokens]
+        if module.training and not any(
+            torch.equal(tokens, row[:, :-1]) for row in trainer.train_batches.read_step(trainer.data_step)
+        ):
+            drawn_elsewhere.append(trainer.step)
+
+    def poison(module, inputs, output):
+        return output * float("nan") if any(torch.equal(current[0], p) for p in poisoned) else output
+
+    trainer.gpt.register_forward_pre_hook(before_forward)
+    trainer.gpt.blocks[0].register_forward_hook(poison)
+    trainer.train()
+    assert drawn_elsewhere == []
+    assert [(r["bad_step"], r["restored_step"], r["skipped_data_steps"]) for r in trainer.rollbacks] == [
+        (5, 4, [4, 6]),  # data step 5 at step 5: back to step 4, which then trains on data step 6
+        (5, 4, [4, 8]),  # data step 7 at step 5 (after the first rollback): back to step 4 again, on data step 8
+    ]
+    assert [b["data_position"]["step"] for b in trainer.bad_steps] == [5, 7]
+    assert trainer.step == STEPS and trainer.data_step == STEPS + 4
+    assert trainer.state_dict()["progress"]["data"]["step"] == trainer.data_step
+
+
 RESUME_IN_FRESH_PROCESS = """
 import json, sys
 import torch
@@ -213,7 +246,7 @@ from train.trainer import Trainer
 
 torch.set_num_threads(1)
 config = config_from_dict(json.loads(sys.argv[1]))
-trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
 trainer.train()
 save_file({k: v.contiguous() for k, v in trainer.gpt.state_dict().items()}, sys.argv[2])
 """
@@ -228,13 +261,13 @@ def test_resume_with_dropout_in_a_fresh_process_restores_the_rng_bitwise(
     from safetensors.torch import load_file
 
     dropout = {"model.dropout": 0.2}
-    uninterrupted = Trainer(make_config(token_dir, tmp_path / "ref", **dropout), CPU)
+    uninterrupted = Trainer.from_config(make_config(token_dir, tmp_path / "ref", **dropout), CPU)
     uninterrupted.train()
     expected = weights(uninterrupted)
     _, no_dropout = reference
     assert any(not torch.equal(expected[k], v) for k, v in no_dropout.items())  # dropout did change training
 
-    first = Trainer(make_config(token_dir, tmp_path / "run", **dropout), CPU)
+    first = Trainer.from_config(make_config(token_dir, tmp_path / "run", **dropout), CPU)
     for _ in range(STEPS // 2 + 1):  # past the checkpoint at step 4, so the RNG has moved on since
         first.run_step()
     first.checkpointer.close()
@@ -256,7 +289,7 @@ def test_checkpoint_storage_is_refused_without_ray_train(token_dir: Path, tmp_pa
     checkpoints into the run dir instead."""
     config = make_config(token_dir, tmp_path / "run", **{"checkpoint.storage": "s3://bucket/prefix"})
     with pytest.raises(ValueError, match=r"checkpoint.storage is Ray Train's storage: it needs a Ray run"):
-        Trainer(config, CPU)
+        Trainer.from_config(config, CPU)
 
 
 def test_a_resume_into_another_model_is_refused_before_anything_loads(
@@ -267,7 +300,7 @@ def test_a_resume_into_another_model_is_refused_before_anything_loads(
     ref_dir, ref_weights = reference
     run = Path(shutil.copytree(ref_dir, tmp_path / "run"))
     for key, value in (("model.n_layer", 3), ("model.activation", "gelu")):
-        trainer = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, key: value}), CPU)
+        trainer = Trainer.from_config(make_config(token_dir, run, **{"checkpoint.resume": True, key: value}), CPU)
         with pytest.raises(ModelChanged) as refused:
             trainer.resume()
         message = str(refused.value)
@@ -276,7 +309,7 @@ def test_a_resume_into_another_model_is_refused_before_anything_loads(
         assert trainer.step == 0 and trainer.resumed_from == []
         trainer.close()
 
-    resumed = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, "model.dropout": 0.1}), CPU)
+    resumed = Trainer.from_config(make_config(token_dir, run, **{"checkpoint.resume": True, "model.dropout": 0.1}), CPU)
     resumed.resume()
     assert resumed.step == STEPS and resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000008"
     for key, value in ref_weights.items():
@@ -295,7 +328,9 @@ def test_a_resume_on_other_data_continues_and_says_so(
         {"name": "web", "path": str(token_dir), "weight": 3},
         {"name": "more", "path": str(token_dir), "weight": 1},
     ]
-    resumed = Trainer(make_config(token_dir, run, **{"checkpoint.resume": True, "data.mixture": mixture}), CPU)
+    resumed = Trainer.from_config(
+        make_config(token_dir, run, **{"checkpoint.resume": True, "data.mixture": mixture}), CPU
+    )
     with caplog.at_level("WARNING", logger="train.trainer"):
         resumed.resume()
     assert resumed.step == STEPS and resumed.resumed_from[0]["data_changed"] is True

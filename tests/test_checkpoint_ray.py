@@ -166,10 +166,10 @@ def test_fsdp_checkpoint_reshards_to_one_worker_and_to_single(runs: dict[str, Pa
     torch.set_num_threads(1)
     config = config_for(token_dir, ref.parent / "single_probe", "single", 1)
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     state = load_into(trainer, ref / "checkpoint_step_000000008")
     assert "rng" not in state or "rank0" in state["rng"]
-    assert trainer.step == STEPS and trainer.train_batches.step == STEPS
+    assert trainer.step == STEPS and trainer.data_step == STEPS
     with torch.no_grad():
         logits, _ = trainer.gpt.eval()(probe_ref["tokens"])
     torch.testing.assert_close(logits, probe_ref["logits"], rtol=0, atol=1e-6)

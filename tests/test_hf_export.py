@@ -37,7 +37,7 @@ def hf_export(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     torch.set_num_threads(1)
     config = load_config(None, tiny_overrides(token_dir, root / "run", steps=30, **{"checkpoint.enabled": False}))
     check_data(config)
-    train_to_completion(Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
+    train_to_completion(Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
     out = root / "hf"
     result = subprocess.run(
         [sys.executable, "-m", "train.export", "--run", str(root / "run"), "--output", str(out), "--format", "hf"],

@@ -221,7 +221,7 @@ def test_a_lazily_fetched_shard_that_changed_in_the_bucket_is_refused(
 
     config = load_config(None, tiny_overrides(data, tmp_path / "run", **{"checkpoint.enabled": False}))
     check_data(config)  # the size in the listing is right: only the bytes are not
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     try:
         shards = tmp_path / "fresh-cache" / "sha256"
         cached = lambda: sorted(p.name for p in shards.glob("*/*.bin"))  # noqa: E731

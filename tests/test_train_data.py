@@ -84,7 +84,7 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
         return TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
 
     first = loader()
-    batches = [first.next_step().micro_batches for _ in range(3)]
+    batches = [first.load(step).micro_batches for step in range(3)]
     # Targets are the inputs shifted by one token, read from the memmapped shard.
     raw = np.fromfile(manifest.split("train")[0].path, dtype="<u2")
     window = int(first.window_ids(0)[0, 0])
@@ -93,11 +93,11 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
     assert batches[0][0].targets[0].tolist() == raw[offset + 1 : offset + 17].tolist()
 
     resumed = loader()
-    resumed.load_state_dict({"step": 2, "seed": 1337, "world_size": 1})
-    again = resumed.next_step().micro_batches
+    assert first.position_state(2) == {"step": 2, "seed": 1337, "world_size": 1}
+    again = resumed.load(resumed.restored_step(first.position_state(2))).micro_batches
     assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(again, batches[2], strict=True))
     with pytest.raises(ValueError, match="seed"):
-        loader().load_state_dict({"step": 2, "seed": 1, "world_size": 1})
+        loader().restored_step({"step": 2, "seed": 1, "world_size": 1})
 
 
 def test_val_batches_split_evenly_across_ranks(token_dir: Path) -> None:
@@ -130,39 +130,36 @@ def record_reading_threads(loader: TrainBatches) -> list[str]:
 
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_prefetch_serves_bitwise_the_same_batches_through_position_jumps(token_dir: Path, prefetch: int) -> None:
-    """Read-ahead is keyed by step: assigning ``step`` (the trainer's rollback) backwards and forwards, or
-    ``load_state_dict`` (resume), mid-stream serves exactly what a synchronous loader serves there."""
+    """Read-ahead is keyed by step: jumping backwards and forwards (the trainer's rollback), or to a restored
+    position (resume), mid-stream serves exactly what a synchronous loader serves there."""
     manifest = load_manifest(token_dir)
     sync = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU)
     ahead = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU, prefetch_steps=prefetch)
     threads = record_reading_threads(ahead)
-    # (how to move the position first, steps to read from there)
+    # (where to jump first, steps to read from there)
     plan: list[tuple[dict[str, Any] | int | None, int]] = [
         (None, 5), (2, 4), (40, 3), (39, 2), ({"step": 7, "seed": 1337, "world_size": 2}, 3), (8, 1), (0, 2),
     ]  # fmt: skip
     served = 0
+    step = 0
     for move, count in plan:
-        for loader in (sync, ahead):
-            if isinstance(move, dict):
-                loader.load_state_dict(move)
-            elif move is not None:
-                loader.step = move
+        if isinstance(move, dict):
+            step = ahead.restored_step(move)
+        elif move is not None:
+            step = move
         for _ in range(count):
-            step = sync.step
-            expected, got = sync.next_step(), ahead.next_step()
-            assert ahead.step == sync.step == step + 1
+            expected, got = sync.load(step), ahead.load(step)
             assert same_batches(expected, got), f"step {step} differs with prefetch_steps={prefetch}"
             assert len(got.micro_batches) == 3 and got.micro_batches[0].inputs.shape == (2, 16)
             assert got.wait_s >= 0 and expected.wait_s >= 0
             served += 1
+            step += 1
     # Every window was read on the read-ahead thread, none on the training thread.
     assert threads and set(threads) == {"train-prefetch-0"}
     ahead.close()
     # A fresh loader placed at each step agrees too: the batches are a pure function of the step.
     fresh = TrainBatches(manifest, 16, 2, 3, 1, 2, 1337, CPU, prefetch_steps=prefetch)
-    fresh.step = 39
-    sync.step = 39
-    assert same_batches(sync.next_step(), fresh.next_step())
+    assert same_batches(sync.load(39), fresh.load(39))
     fresh.close()
 
 
@@ -179,13 +176,13 @@ def test_prefetch_reads_the_next_steps_before_they_are_asked_for(token_dir: Path
         return rows
 
     loader.read_step = recording_read  # type: ignore[method-assign]
-    loader.next_step()
+    loader.load(0)
     # Nothing asks for steps 1 and 2; they are read anyway. A deadline, not a sleep: no timing is asserted.
     deadline = time.monotonic() + 60
     while len(reads) < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert reads == [(step, "train-prefetch-0") for step in (0, 1, 2)]
-    loader.next_step()  # step 1: served from the read above; only step 3 may be read from now on
+    loader.load(1)  # served from the read above; only step 3 may be read from now on
     assert [step for step, _ in reads].count(1) == 1 and {step for step, _ in reads} <= {0, 1, 2, 3}
     loader.close()
 
@@ -194,7 +191,7 @@ class ReadFailure(OSError):
     pass
 
 
-def test_background_read_error_surfaces_unchanged_and_keeps_the_position(token_dir: Path) -> None:
+def test_background_read_error_surfaces_unchanged_and_the_step_reads_again(token_dir: Path) -> None:
     manifest = load_manifest(token_dir)
     loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
     read_step = loader.read_step
@@ -206,22 +203,20 @@ def test_background_read_error_surfaces_unchanged_and_keeps_the_position(token_d
         return read_step(step)
 
     loader.read_step = flaky_read_step  # type: ignore[method-assign]
-    loader.next_step()
+    loader.load(0)
     with pytest.raises(ReadFailure, match=r"^I/O error reading step 1$") as raised:
-        loader.next_step()
+        loader.load(1)
     assert raised.type is ReadFailure
-    assert loader.step == 1  # the step that failed is served again next time
-    failing["on"] = False
+    failing["on"] = False  # the step that failed is read again when asked for again
     expected = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
-    expected.step = 1
-    assert same_batches(loader.next_step(), expected.next_step())
+    assert same_batches(loader.load(1), expected.load(1))
     loader.close()
 
 
 def test_close_is_idempotent_stops_the_thread_and_the_loader_still_works(token_dir: Path) -> None:
     manifest = load_manifest(token_dir)
     loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
-    loader.next_step()
+    loader.load(0)
     pool = loader._pool
     assert pool is not None
     loader.close()
@@ -231,13 +226,12 @@ def test_close_is_idempotent_stops_the_thread_and_the_loader_still_works(token_d
         assert not thread.is_alive()
     threads = record_reading_threads(loader)
     expected = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU)
-    expected.step = 1
-    assert same_batches(loader.next_step(), expected.next_step())
+    assert same_batches(loader.load(1), expected.load(1))
     assert threads and set(threads) == {threading.current_thread().name}  # read on the caller's thread now
 
     # A loader nobody closed stops its thread once it is garbage.
     forgotten = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, CPU, prefetch_steps=2)
-    forgotten.next_step()
+    forgotten.load(0)
     pool = forgotten._pool
     assert pool is not None
     for future in list(forgotten._ahead.values()):
@@ -265,7 +259,7 @@ manifest = load_manifest({str(token_dir)!r})
 loader = TrainBatches(manifest, 16, 2, 2, 0, 1, 1337, torch.device("cpu"), prefetch_steps=3)
 read_step = loader.read_step
 loader.read_step = lambda step: (time.sleep(120) if step >= 1 else None) or read_step(step)
-loader.next_step()  # the read-ahead of steps 1-3 now sleeps
+loader.load(0)  # the read-ahead of steps 1-3 now sleeps
 shard_verify.sha256_file = lambda path: time.sleep(120)
 verifier = ShardVerifier(manifest.shards, None)  # hashing every shard now sleeps
 time.sleep(0.5)
@@ -349,8 +343,7 @@ def test_flipped_byte_stops_the_first_step_that_reads_the_shard(token_dir: Path,
         rf"actual sha256 {sha256_file(train.path)} "
     )
     with pytest.raises(DataError, match=expected):
-        train_batches.next_step()
-    assert train_batches.step == 0
+        train_batches.load(0)
     with pytest.raises(DataError, match=rf"shard {re.escape(str(val.path))} .* actual sha256 {sha256_file(val.path)}"):
         list(val_batches)
     train_batches.close()
@@ -373,7 +366,7 @@ def test_swapped_shards_of_equal_size_are_refused(token_dir: Path, tmp_path: Pat
     train_batches, _ = loaders(manifest, verifier, prefetch=2)
     swapped = r"shard .*train-[ab]\.bin does not match the manifest: manifest sha256 [0-9a-f]{64}, actual sha256"
     with pytest.raises(DataError, match=swapped):
-        train_batches.next_step()
+        train_batches.load(0)
     with pytest.raises(DataError, match=rf"shard {re.escape(str(a))} does not match"):
         verifier.ensure_all()
     train_batches.close()
@@ -400,8 +393,8 @@ def test_intact_shards_pass_and_the_cache_spares_a_restart_the_hashing(
     verifier.ensure = recording  # type: ignore[method-assign]
     train_batches, val_batches = loaders(manifest, verifier, prefetch=2)
     unverified = TrainBatches(manifest, 32, 2, 2, 0, 1, 1337, CPU)
-    for _ in range(3):
-        assert same_batches(train_batches.next_step(), unverified.next_step())
+    for step in range(3):
+        assert same_batches(train_batches.load(step), unverified.load(step))
     assert sum(b.inputs.shape[0] for b in val_batches) == 8
     verifier.ensure_all()
     verifier.close()
@@ -425,7 +418,7 @@ def test_intact_shards_pass_and_the_cache_spares_a_restart_the_hashing(
     restarted = ShardVerifier(manifest.shards, cache)
     restarted.ensure_all()
     train_batches, _ = loaders(manifest, restarted, prefetch=0)
-    train_batches.next_step()
+    train_batches.load(0)
     restarted.close()
     assert hashed == [] and restarted.from_cache == 3 and restarted.hashed == 0
 
@@ -459,7 +452,7 @@ def test_shards_without_a_manifest_sha256_are_read_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="train.shard_verify"):
         verifier = ShardVerifier(manifest.shards, tmp_path / "cache.json")
         train_batches, val_batches = loaders(manifest, verifier, prefetch=1)
-        train_batches.next_step()
+        train_batches.load(0)
         list(val_batches)
         verifier.ensure_all()
     warnings = [r for r in caplog.records if r.name == "train.shard_verify"]

@@ -32,7 +32,7 @@ from train_fixtures import tiny_overrides
 config = load_config(None, tiny_overrides(sys.argv[1], sys.argv[2], **{"checkpoint.enabled": False,
                                                                        "parallel.deterministic": sys.argv[3] == "on"}))
 check_data(config)
-trainer = Trainer(config, DistContext(0, 1, torch.device("cpu")))
+trainer = Trainer.from_config(config, DistContext(0, 1, torch.device("cpu")))
 loss = trainer.train_step()["loss"]
 print(json.dumps({
     "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

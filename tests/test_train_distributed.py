@@ -61,7 +61,7 @@ def runs(ray_cluster, token_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     torch.set_num_threads(1)
     single = run_config(token_dir, root / "single", "single", 1)
     check_data(single)
-    train_to_completion(Trainer(single, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
+    train_to_completion(Trainer.from_config(single, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
     for strategy in ("ddp", "fsdp"):
         # Every rank saves the parameters it holds after the last step, for the per-rank comparison.
         launch(run_config(token_dir, root / strategy, strategy, 2), on_step_end=SaveLocalParams(step=STEPS - 1))

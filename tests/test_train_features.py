@@ -47,8 +47,8 @@ def dtypes_seen(trainer: Trainer) -> list[torch.dtype]:
 
 
 def test_bf16_autocast_computes_in_bf16_and_keeps_fp32_weights(token_dir: Path, tmp_path: Path) -> None:
-    fp32 = Trainer(make_config(token_dir, tmp_path / "fp32"), CPU)
-    bf16 = Trainer(make_config(token_dir, tmp_path / "bf16", **{"parallel.precision": "bf16"}), CPU)
+    fp32 = Trainer.from_config(make_config(token_dir, tmp_path / "fp32"), CPU)
+    bf16 = Trainer.from_config(make_config(token_dir, tmp_path / "bf16", **{"parallel.precision": "bf16"}), CPU)
     seen = dtypes_seen(bf16)
     reference = [fp32.train_step()["loss"] for _ in range(STEPS)]
     losses = [bf16.train_step()["loss"] for _ in range(STEPS)]
@@ -67,7 +67,7 @@ def run_two_gloo_ranks(worker: Callable[..., None], *args: object) -> list[dict]
 def _fsdp_bf16_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
     with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.precision": "bf16"}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
+        trainer = Trainer.from_config(make_config(Path(data), Path(out), **overrides), ctx)
         seen = dtypes_seen(trainer)
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
         params = list(trainer.gpt.parameters())
@@ -89,7 +89,7 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on two gloo ranks: the blocks
     compute in bf16 from fp32 sharded master weights, and the losses track the fp32 single-process run."""
     results = run_two_gloo_ranks(_fsdp_bf16_worker, str(token_dir), str(tmp_path / "fsdp"))
-    reference = Trainer(make_config(token_dir, tmp_path / "fp32"), CPU)
+    reference = Trainer.from_config(make_config(token_dir, tmp_path / "fp32"), CPU)
     expected = [reference.train_step()["loss"] for _ in range(STEPS)]
     for r in results:
         assert r["compute_dtypes"] == ["torch.bfloat16"], r
@@ -102,7 +102,7 @@ def test_fsdp_bf16_mixed_precision_policy(token_dir: Path, tmp_path: Path) -> No
 def _guard_worker(rank: int, world: int, port: int, data: str, out: str, strategy: str, queue: FlushedQueue) -> None:
     with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": strategy, "parallel.workers": 2, "steps": 5}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
+        trainer = Trainer.from_config(make_config(Path(data), Path(out), **overrides), ctx)
         if rank == 1:  # one rank's forward blows up at step 2; the other's is healthy
             trainer.gpt.blocks[0].register_forward_hook(
                 lambda module, args, output: output * float("nan") if trainer.step == 2 else output
@@ -148,10 +148,10 @@ def _rollback_worker(rank: int, world: int, port: int, data: str, out: str, stra
             if not info.record.get("skipped"):
                 trained.append((info.step, info.record["lr"]))
 
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx, on_step_end=record)
+        trainer = Trainer.from_config(make_config(Path(data), Path(out), **overrides), ctx, on_step_end=record)
         if rank == 1:  # only this rank's forward blows up, on the batch of data step 5
             trainer.gpt.blocks[0].register_forward_hook(
-                lambda module, args, output: output * float("nan") if trainer.train_batches.step - 1 == 5 else output
+                lambda module, args, output: output * float("nan") if trainer.data_step == 5 else output
             )
         trainer.train()
         queue.put(
@@ -159,7 +159,7 @@ def _rollback_worker(rank: int, world: int, port: int, data: str, out: str, stra
                 "rank": rank,
                 "rollbacks": trainer.rollbacks,
                 "trained": trained,
-                "steps": (trainer.step, trainer.train_batches.step),
+                "steps": (trainer.step, trainer.data_step),
                 "digest": trainer.check_replicas()[rank] if strategy == "ddp" else None,
             }
         )
@@ -190,8 +190,10 @@ def test_a_rollback_after_one_ranks_bad_step_lowers_the_lr_on_every_rank_alike(
 
 
 def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(token_dir: Path, tmp_path: Path) -> None:
-    plain = Trainer(make_config(token_dir, tmp_path / "plain"), CPU)
-    ac = Trainer(make_config(token_dir, tmp_path / "ac", **{"parallel.activation_checkpointing": True}), CPU)
+    plain = Trainer.from_config(make_config(token_dir, tmp_path / "plain"), CPU)
+    ac = Trainer.from_config(
+        make_config(token_dir, tmp_path / "ac", **{"parallel.activation_checkpointing": True}), CPU
+    )
     calls = {"plain": 0, "ac": 0}
     for name, trainer in (("plain", plain), ("ac", ac)):
         # A pre-hook: the recomputation stops early once it has what backward needs (checkpoint's default
@@ -210,8 +212,8 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_nothing_else(tok
 def test_torch_compile_compiles_the_whole_model_and_keeps_names_and_losses(token_dir: Path, tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 
-    eager = Trainer(make_config(token_dir, tmp_path / "eager"), CPU)
-    compiled = Trainer(make_config(token_dir, tmp_path / "compiled", **{"parallel.compile": True}), CPU)
+    eager = Trainer.from_config(make_config(token_dir, tmp_path / "eager"), CPU)
+    compiled = Trainer.from_config(make_config(token_dir, tmp_path / "compiled", **{"parallel.compile": True}), CPU)
     graphs_before = counters["stats"]["unique_graphs"]
     expected = [eager.train_step()["loss"] for _ in range(STEPS)]
     losses = [compiled.train_step()["loss"] for _ in range(STEPS)]
@@ -228,8 +230,10 @@ def _fsdp_compile_worker(rank: int, world: int, port: int, data: str, out: str, 
 
     with cpu_rank(rank, world, port) as ctx:
         fsdp = {"parallel.strategy": "fsdp", "parallel.workers": world}
-        eager = Trainer(make_config(Path(data), Path(out) / "eager", **fsdp), ctx)
-        compiled = Trainer(make_config(Path(data), Path(out) / "compiled", **fsdp, **{"parallel.compile": True}), ctx)
+        eager = Trainer.from_config(make_config(Path(data), Path(out) / "eager", **fsdp), ctx)
+        compiled = Trainer.from_config(
+            make_config(Path(data), Path(out) / "compiled", **fsdp, **{"parallel.compile": True}), ctx
+        )
         expected = [eager.train_step()["loss"] for _ in range(STEPS)]
         losses = [compiled.train_step()["loss"] for _ in range(STEPS)]
         queue.put(
@@ -262,7 +266,7 @@ def _fsdp_reshard_worker(rank: int, world: int, port: int, data: str, out: str, 
         for policy in ("always", "default", "never"):
             fsdp = {"parallel.strategy": "fsdp", "parallel.workers": 2, "parallel.fsdp_reshard_after_forward": policy}
             config = make_config(Path(data), Path(out) / policy, **fsdp)
-            trainer = Trainer(config, ctx)
+            trainer = Trainer.from_config(config, ctx)
             # Which blocks hold their shards (DTensor parameters) rather than the gathered parameters: as a micro-
             # step starts (the embeddings), and once every block has run forward (the final LayerNorm).
             seen: dict[str, list[list[bool]]] = {"start": [], "after_blocks": []}
@@ -299,8 +303,8 @@ def test_fsdp_reshard_policies_keep_what_they_say_and_train_alike(token_dir: Pat
 
 
 def test_fused_adamw_is_chosen_for_gpus_only_and_matches_the_default(token_dir: Path, tmp_path: Path) -> None:
-    plain = Trainer(make_config(token_dir, tmp_path / "plain"), CPU)
-    fused = Trainer(make_config(token_dir, tmp_path / "fused", **{"optimizer.fused": True}), CPU)
+    plain = Trainer.from_config(make_config(token_dir, tmp_path / "plain"), CPU)
+    fused = Trainer.from_config(make_config(token_dir, tmp_path / "fused", **{"optimizer.fused": True}), CPU)
     assert not plain.optimizer.defaults["fused"]  # None on CPU parameters: PyTorch's default loop, as before
     assert fused.optimizer.defaults["fused"]
     expected = [plain.train_step()["loss"] for _ in range(STEPS)]
@@ -334,7 +338,9 @@ def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path
         "checkpoint.save_best": False,
         "checkpoint.save_final": False,
     }
-    trainer = Trainer(make_config(token_dir, tmp_path, **overrides), CPU, on_step_end=slow_step_2, clock=lambda: now[0])
+    trainer = Trainer.from_config(
+        make_config(token_dir, tmp_path, **overrides), CPU, on_step_end=slow_step_2, clock=lambda: now[0]
+    )
     records = [trainer.run_step() for _ in range(STEPS)]
     saved = [r["step"] for r in records if "checkpoints" in r]
     assert saved == [3]  # not before the slow step, and right after it

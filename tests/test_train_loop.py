@@ -52,7 +52,9 @@ def test_model_is_causal_tied_and_starts_near_uniform() -> None:
 def test_grad_accumulation_matches_one_big_batch(token_dir: Path, tmp_path: Path) -> None:
     curves = []
     for micro in (2, 8):  # accum 4 × micro 2 vs accum 1 × micro 8: the same 8 sequences per step
-        trainer = Trainer(make_config(token_dir, tmp_path / f"m{micro}", **{"data.micro_batch_size": micro}), CPU)
+        trainer = Trainer.from_config(
+            make_config(token_dir, tmp_path / f"m{micro}", **{"data.micro_batch_size": micro}), CPU
+        )
         assert trainer.grad_accum == 8 // micro
         curves.append([trainer.train_step()["loss"] for _ in range(6)])
     for a, b in zip(*curves, strict=True):
@@ -70,7 +72,7 @@ def poison_forward(trainer: Trainer, bad_steps: set[int]) -> None:
 
 def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "run", steps=6)
-    trainer = Trainer(config, CPU)
+    trainer = Trainer.from_config(config, CPU)
     poison_forward(trainer, {3})
     snapshots, results = [], []
     for _ in range(6):
@@ -94,7 +96,7 @@ def test_bad_step_is_skipped_and_weights_untouched(token_dir: Path, tmp_path: Pa
 
 def test_consecutive_bad_steps_stop_training(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "run", **{"guard.max_consecutive_bad": 3})
-    trainer = Trainer(config, CPU)
+    trainer = Trainer.from_config(config, CPU)
     poison_forward(trainer, set(range(2, 100)))
     with pytest.raises(TrainingDiverged, match=r"3 consecutive bad steps.*step 4.*non-finite loss"):
         trainer.train()
@@ -126,15 +128,15 @@ def test_loss_spike_is_flagged_against_running_median_of_accepted_losses() -> No
 
 def test_state_dict_round_trip_resumes_exactly(token_dir: Path, tmp_path: Path) -> None:
     config = make_config(token_dir, tmp_path / "a", steps=6)
-    straight = Trainer(config, CPU)
+    straight = Trainer.from_config(config, CPU)
     expected = [straight.train_step()["loss"] for _ in range(6)]
 
-    first = Trainer(make_config(token_dir, tmp_path / "b", steps=6), CPU)
+    first = Trainer.from_config(make_config(token_dir, tmp_path / "b", steps=6), CPU)
     losses = [first.train_step()["loss"] for _ in range(3)]
     state = copy.deepcopy(first.state_dict())
-    resumed = Trainer(make_config(token_dir, tmp_path / "c", steps=6), CPU)
+    resumed = Trainer.from_config(make_config(token_dir, tmp_path / "c", steps=6), CPU)
     resumed.load_state_dict(state)
-    assert resumed.step == 3 and resumed.train_batches.step == 3
+    assert resumed.step == 3 and resumed.data_step == 3
     losses += [resumed.train_step()["loss"] for _ in range(3)]
     assert losses == pytest.approx(expected, rel=1e-6)
     for key, value in straight.gpt.state_dict().items():

@@ -106,17 +106,17 @@ def test_a_mixture_run_resumes_bitwise_and_records_its_sources(two_sources: tupl
         return cfg
 
     torch.set_num_threads(1)
-    reference = Trainer(config(tmp_path / "ref"), CPU)
+    reference = Trainer.from_config(config(tmp_path / "ref"), CPU)
     info = train_to_completion(reference)
     assert [s["name"] for s in info["data_sources"]] == ["web", "books"]
     assert [s["weight"] for s in info["data_sources"]] == [0.7, 0.3]
     assert info["data_manifest_sha256"] != load_manifest(web).sha256  # the lineage names the mixture
 
-    first = Trainer(config(tmp_path / "run"), CPU)
+    first = Trainer.from_config(config(tmp_path / "run"), CPU)
     for _ in range(5):
         first.run_step()
     first.checkpointer.close()
-    resumed = Trainer(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
+    resumed = Trainer.from_config(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
     resumed.train()
     got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
     assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
@@ -140,7 +140,7 @@ def test_a_source_in_object_storage_mixes_exactly_like_the_same_source_on_disk(
         ]
         config = load_config(None, tiny_overrides(web, out, steps=4, **{"data.mixture": mixture}))
         check_data(config)
-        trainer = Trainer(config, CPU)
+        trainer = Trainer.from_config(config, CPU)
         try:
             return [trainer.train_step()["loss"] for _ in range(4)]
         finally:

@@ -121,7 +121,7 @@ def test_cli_refuses_a_resume_into_another_model_without_starting_ray(token_dir:
     overrides = tiny_overrides(token_dir, run, **{"steps": 4, "checkpoint.interval_steps": 4})
     config = load_config(None, overrides)
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
     trainer.train()
     trainer.close()
     paths_keys = ("data_dir", "output_dir")  # given as --data and --output below

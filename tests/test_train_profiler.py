@@ -60,7 +60,9 @@ def test_a_window_of_steps_is_traced_and_its_top_ops_logged(
 ) -> None:
     torch.set_num_threads(1)
     caplog.set_level(logging.INFO, logger="train.profiler")
-    trainer = Trainer(make_config(token_dir, tmp_path, **parse_set(["profile.steps=1:3", "profile.top_ops=5"])), CPU)
+    trainer = Trainer.from_config(
+        make_config(token_dir, tmp_path, **parse_set(["profile.steps=1:3", "profile.top_ops=5"])), CPU
+    )
     try:
         trainer.train()
     finally:
@@ -75,7 +77,7 @@ def test_a_window_of_steps_is_traced_and_its_top_ops_logged(
 
 
 def test_profiling_is_off_unless_asked(token_dir: Path, tmp_path: Path) -> None:
-    trainer = Trainer(make_config(token_dir, tmp_path), CPU)
+    trainer = Trainer.from_config(make_config(token_dir, tmp_path), CPU)
     try:
         assert trainer.profiler is None
         trainer.train()
@@ -87,7 +89,7 @@ def test_profiling_is_off_unless_asked(token_dir: Path, tmp_path: Path) -> None:
 def _ddp_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
     with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "ddp", "parallel.workers": 2, "profile.steps": "2:4", "profile.ranks": [1]}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
+        trainer = Trainer.from_config(make_config(Path(data), Path(out), **overrides), ctx)
         try:
             trainer.train()
         finally:

@@ -308,7 +308,7 @@ def nan_run(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         }),
     )  # fmt: skip
     check_data(config)
-    trainer = Trainer(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")),
+    trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")),
                       on_step_end=PoisonWeights(POISON_AT))  # fmt: skip
     seen: dict[str, Any] = {"trainer": trainer}
     try:

@@ -75,7 +75,7 @@ def wandb_records(path: Path) -> list:
 def _wandb_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
     with cpu_rank(rank, world, port) as ctx:
         overrides = {"parallel.strategy": "ddp", "parallel.workers": 2, "metrics.tracker": "wandb"}
-        trainer = Trainer(make_config(Path(data), Path(out), **overrides), ctx)
+        trainer = Trainer.from_config(make_config(Path(data), Path(out), **overrides), ctx)
         tracking = trainer.metrics.tracker is not None
         try:
             trainer.train()
@@ -141,7 +141,7 @@ def test_mlflow_server_holds_the_runs_metrics_params_and_lineage(
         "metrics.tracker": "mlflow", "metrics.tracker_uri": mlflow_server, "metrics.tracker_project": "raylm-test",
         "checkpoint.enabled": True, "checkpoint.interval_steps": 2,
     }  # fmt: skip
-    trainer = Trainer(make_config(token_dir, run_dir, **overrides), DistContext(0, 1, torch.device("cpu")))
+    trainer = Trainer.from_config(make_config(token_dir, run_dir, **overrides), DistContext(0, 1, torch.device("cpu")))
     try:
         trainer.train()
     finally:
@@ -185,7 +185,9 @@ def test_a_tracking_server_lost_mid_run_stops_tracking_not_training(
     run_dir = tmp_path / "run"
     with running_mlflow_server(tmp_path) as (url, server):
         config = make_config(token_dir, run_dir, **{"metrics.tracker": "mlflow", "metrics.tracker_uri": url})
-        trainer = Trainer(config, DistContext(0, 1, torch.device("cpu")), on_step_end=KillServerAfter(1, server.pid))
+        trainer = Trainer.from_config(
+            config, DistContext(0, 1, torch.device("cpu")), on_step_end=KillServerAfter(1, server.pid)
+        )
         try:
             trainer.train()  # steps 2 and 3 find no server
         finally:

@@ -19,8 +19,8 @@ resumable training needs one.
 Read-ahead: with ``prefetch_steps = k > 0`` a background thread reads the token tensors of the next k steps
 while the current one computes (into pinned memory on CUDA; the training thread issues the non-blocking
 device copy). Reads are keyed by step number, so read-ahead cannot change what a step gets: when the
-position jumps (a rollback or resume assigns ``step``), reads for other steps are dropped and the right one
-is read. ``StepBatches.wait_s`` is what the training thread still waited. With a ``ShardVerifier``, each
+caller asks for a step out of sequence (after a rollback or a resume), reads for other steps are dropped and
+the right one is read. ``StepBatches.wait_s`` is what the training thread still waited. With a ``ShardVerifier``, each
 shard's sha256 is checked against the manifest before its first read (``train.shard_verify``). A shard in object
 storage is fetched into the node's cache at its first read, verified as it downloads (``WindowIndex.verified_file``):
 training starts without a full copy, and with read-ahead the download happens on the background thread.
@@ -161,12 +161,12 @@ class Batch:
 @dataclass
 class StepBatches:
     micro_batches: list[Batch]  # grad_accum of them
-    wait_s: float  # how long the calling thread blocked in next_step() for this step's data
+    wait_s: float  # how long the calling thread blocked in load() for this step's data
 
 
 class TrainBatches:
-    """The rank's view of the train split. Its only state is the step it will serve next (``step``, which the
-    trainer may also assign: rollback, resume).
+    """The rank's view of the train split: ``load(step)`` serves any step's batches. It keeps no position of its
+    own; the caller (the trainer) owns which data step comes next, and saves it (``position_state``).
 
     ``prefetch_steps``: how many steps ahead a background (daemon) thread reads; 0 reads on the calling
     thread. ``verifier``: checks each train shard before its first read (see ``train.shard_verify``); the
@@ -207,7 +207,6 @@ class TrainBatches:
         self.world_size = world_size
         self.seed = seed
         self.device = device
-        self.step = 0
         self.prefetch_steps = prefetch_steps
         # Pinned host memory makes the host-to-device copy asynchronous; pinning costs a copy, so CUDA only.
         self._pin = device.type == "cuda"
@@ -249,12 +248,10 @@ class TrainBatches:
             for row in self.window_ids(step)
         ]
 
-    def next_step(self) -> StepBatches:
-        """The grad_accum micro-batches of the current step, on the device; advances the position by one
-        step. An error of a background read (I/O, a shard failing verification) is raised here, unchanged,
-        and leaves the position where it was."""
+    def load(self, step: int) -> StepBatches:
+        """The grad_accum micro-batches of ``step``, on the device; with read-ahead, the reads of the steps after
+        it start. An error of a background read (I/O, a shard failing verification) is raised here, unchanged."""
         started = time.perf_counter()
-        step = self.step
         rows = self._read_ahead(step) if self._pool is not None else self.read_step(step)
         batches = []
         for row in rows:
@@ -262,7 +259,6 @@ class TrainBatches:
             # it would go through an unpinned (synchronous) staging buffer. On CPU, .to() returns the row.
             tokens = row.to(self.device, non_blocking=True)
             batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
-        self.step = step + 1
         return StepBatches(batches, time.perf_counter() - started)
 
     def close(self) -> None:
@@ -288,8 +284,8 @@ class TrainBatches:
     def _read_ahead(self, step: int) -> list[torch.Tensor]:
         assert self._pool is not None
         horizon = range(step, step + self.prefetch_steps + 1)
-        # Reads for steps this position will not serve next (the position jumped) are dropped: cancelled if
-        # not started, their result ignored otherwise.
+        # Reads for steps that will not be asked for next (the caller jumped) are dropped: cancelled if not
+        # started, their result ignored otherwise.
         for other in [s for s in self._ahead if s not in horizon]:
             self._ahead.pop(other).cancel()
         future = self._ahead.pop(step, None)
@@ -305,16 +301,18 @@ class TrainBatches:
         rows = self.read_step(step)
         return [row.pin_memory() for row in rows] if self._pin else rows
 
-    # Stateful: the position is the step (the order itself is recomputed from the seed). The world size
+    # A checkpoint's data position is a step (the order itself is recomputed from the seed). The world size
     # is recorded so a resume on a different world size can be recognised; the global sample index
     # stays valid because the global batch is fixed.
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "seed": self.seed, "world_size": self.world_size}
+    def position_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint records of the data position ``step``."""
+        return {"step": step, "seed": self.seed, "world_size": self.world_size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def restored_step(self, state: dict[str, Any]) -> int:
+        """The data step a checkpoint's ``position_state`` records; refused if it was saved under another seed."""
         if state["seed"] != self.seed:
             raise ValueError(f"data seed changed across resume: {state['seed']} -> {self.seed}")
-        self.step = int(state["step"])
+        return int(state["step"])
 
 
 class ValBatches:

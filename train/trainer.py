@@ -1,5 +1,14 @@
 """The trainer: one train loop for every strategy, composed from the components in this package.
 
+``Trainer.from_config`` builds the collaborators, each from its own config section (``train.components``: model
+and optimizer, data, checkpointer, telemetry; the guard rail, the metrics logger, the profiler), and hands them to
+``Trainer``, which runs the loop top to bottom: ``train`` -> ``run_step`` -> ``optimizer_step``.
+
+One step counter: ``Trainer.step``, the next optimizer step. The data a step trains on is ``data_step`` = ``step``
++ ``data_skip``, the data steps that rollbacks skipped, so which tokens a step sees is a pure function of (seed,
+step, data_skip, rank, world size). ``load_state_dict`` restores both, for a resume and a rollback alike; only a
+rollback changes ``data_skip``.
+
 ``Trainer`` is a ``torch.distributed.checkpoint.stateful.Stateful``: ``state_dict()`` returns model,
 optimizer (sharded for FSDP, as DCP wants), progress (step, tokens seen, data position, guard-rail
 history, best val loss) and this rank's RNG states under a rank-unique key, and ``load_state_dict()``
@@ -26,7 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,22 +44,26 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoints.checkpointer import Checkpointer
 from checkpoints.rng import capture_rng, restore_rng, rng_key
-from checkpoints.store import LocalStore, RayStore
+from train.components import (
+    DataParts,
+    ModelParts,
+    build_checkpointer,
+    build_data,
+    build_model,
+    build_telemetry,
+    lineage_tags,
+    resume_requested,
+)
 from train.config import TrainConfig
-from train.data import TrainBatches, ValBatches
-from train.determinism import make_deterministic, settle_vector_math
-from train.flops import device_peak_flops, flops_per_token, mfu
+from train.flops import device_peak_flops, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.memory import local_memory, memory_fields, state_bytes
 from train.metrics import MetricsLogger, Reporter
-from train.mixture import data_lineage_sha256, describe, load_sources
-from train.model import GPT
-from train.optim import build_optimizer, learning_rate, set_learning_rate
+from train.mixture import Source, data_lineage_sha256, describe, load_sources
+from train.optim import learning_rate, set_learning_rate
 from train.parallel import (
     DistContext,
     ReplicaMismatch,
-    apply_strategy,
-    compile_model,
     grad_norm,
     gradient_sync,
     holds_replica,
@@ -61,12 +74,12 @@ from train.parallel import (
 from train.profiler import StepProfiler
 from train.resume_check import check_resumable
 from train.run_dir import RunDir
-from train.shard_verify import ShardVerifier
 from train.watchdog import StepWatchdog, exit_worker
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from train.telemetry import TrainTelemetry
 
-VERIFIED_SHARDS_CACHE = ".verified_shards.json"  # in the run dir: shards already hashed by this run
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,8 +108,9 @@ class StepResult:
 
 
 class Trainer(Stateful):
-    def __init__(
-        self,
+    @classmethod
+    def from_config(
+        cls,
         config: TrainConfig,
         ctx: DistContext,
         reporter: Reporter | None = None,
@@ -104,110 +118,85 @@ class Trainer(Stateful):
         on_step_end: StepCallback | None = None,
         on_hang: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage (inside a
-        Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs).
-        ``on_step_end``: called on every rank after each step's logging.
-        ``on_hang``: what the watchdog does after logging a hang; default: exit the worker process inside
-        Ray Train (so it restarts the group), only the log in-process (exiting would kill the caller).
-        ``clock``: the checkpointer's clock for ``checkpoint.interval_seconds`` (a test passes its own)."""
-        self.config = config
-        self.ctx = ctx
-        self.on_step_end = on_step_end
-        self.on_hang = on_hang if on_hang is not None else (exit_worker if ray_storage else None)
-        self.watchdog: StepWatchdog | None = None  # armed by train()
+    ) -> Trainer:
+        """The trainer of ``config`` on this rank. ``reporter``: where the metrics logger reports (``ray.train.report``
+        inside Ray Train). ``ray_storage``: checkpoints go through ``ray.train.report`` into Ray Train's storage
+        (inside a Ray Train worker); otherwise straight into ``config.output_dir`` (in-process runs).
+        ``on_step_end``: called on every rank after each step's logging. ``on_hang``: what the watchdog does after
+        logging a hang; default: exit the worker process inside Ray Train (so it restarts the group), only the log
+        in-process (exiting would kill the caller). ``clock``: the checkpointer's clock for
+        ``checkpoint.interval_seconds`` (a test passes its own)."""
         # One pipeline output, or a weighted mixture of several (train.mixture); the first gives tokenizer and dtype.
-        self.sources = load_sources(config.data_dir, config.data.mixture)
-        self.manifest = self.sources[0].manifest
-        cfg_model, cfg_data, cfg_par = config.model, config.data, config.parallel
-
-        settle_vector_math()  # before the optimizer's first step, where a race in MKL would part replicas
-        if cfg_par.deterministic:
-            make_deterministic(ctx.device)  # before the model's first kernel
-        # Same seed on every rank and for every strategy: all replicas (and all shards of FSDP's one
-        # model) start from the same weights as a single-process run.
-        torch.manual_seed(cfg_data.seed)
-        self.gpt = GPT(cfg_model)
-        self.gpt.activation_checkpointing = cfg_par.activation_checkpointing
-        self.flops_per_token = flops_per_token(self.gpt)
-        if cfg_par.compile:
-            compile_model(self.gpt, cfg_par.strategy)
-        self.model = apply_strategy(
-            self.gpt, cfg_par.strategy, ctx, cfg_par.precision, cfg_par.fsdp_reshard_after_forward
-        )
-        # Built after sharding: FSDP replaces parameters with DTensor shards in place.
-        self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self.gpt, config.optimizer)
-
-        # From the world size this group really has: an elastic run restarted on fewer workers accumulates more
-        # micro-batches per step, so the global batch (and with it the step, the LR schedule, the tokens seen) holds.
-        self.grad_accum = config.grad_accum_for(ctx.world_size)
+        sources = load_sources(config.data_dir, config.data.mixture)
+        model = build_model(config, ctx)
         # Where this node's ranks write the run's files (the run dir itself, or a node-local working dir for a
         # run dir in object storage: train.run_dir).
-        self.run_dir = RunDir(config.output_dir)
-        # Local shards only: a shard in object storage is verified as it downloads (WindowIndex.verified_file).
-        self.verifier = (
-            ShardVerifier(
-                [shard for s in self.sources for shard in s.manifest.shards if not shard.is_remote],
-                self.run_dir.local / VERIFIED_SHARDS_CACHE,
-            )
-            if cfg_data.verify_shards
-            else None
+        run_dir = RunDir(config.output_dir)
+        data = build_data(config, ctx, sources, run_dir)
+        guard = GuardRail(config.guard)
+        checkpointer = build_checkpointer(config, ctx, sources, run_dir, ray_storage, clock)
+        resuming = resume_requested(config, ray_storage)
+        metrics = MetricsLogger(
+            config, ctx.is_main, reporter, append=resuming, run_dir=run_dir, lineage=lineage_tags(sources)
         )
-        self.train_batches = TrainBatches(
-            self.sources, cfg_model.block_size, cfg_data.micro_batch_size, self.grad_accum,
-            ctx.rank, ctx.world_size, cfg_data.seed, ctx.device,
-            prefetch_steps=cfg_data.prefetch_steps, verifier=self.verifier,
+        profiler = StepProfiler.build(config.profile, ctx.rank, ctx.device, run_dir)
+        telemetry = build_telemetry(config, ctx)
+        return cls(
+            config, ctx, sources=sources, model=model, run_dir=run_dir, data=data, guard=guard,
+            checkpointer=checkpointer, resuming=resuming, metrics=metrics, profiler=profiler, telemetry=telemetry,
+            on_step_end=on_step_end, on_hang=on_hang if on_hang is not None else (exit_worker if ray_storage else None),
         )  # fmt: skip
-        self.val_batches = ValBatches(
-            self.sources, cfg_model.block_size, cfg_data.micro_batch_size, cfg_data.eval_sequences,
-            ctx.rank, ctx.world_size, ctx.device, verifier=self.verifier,
-        )  # fmt: skip
-        self.guard = GuardRail(config.guard)
-        self.checkpointer: Checkpointer | None = None
-        self.resuming = False
-        if config.checkpoint.enabled:
-            if config.checkpoint.storage and not ray_storage:
-                raise ValueError("checkpoint.storage is Ray Train's storage: it needs a Ray run (python -m train)")
-            if self.run_dir.location.is_remote and not ray_storage:
-                raise ValueError(
-                    f"{config.output_dir}: checkpoints of a run dir in object storage go through Ray Train's "
-                    "storage, which needs a Ray run (python -m train)"
-                )
-            store = RayStore(config.checkpoint.async_save) if ray_storage else LocalStore(config.output_dir)
-            run_info = {
-                "strategy": cfg_par.strategy,
-                "train_config": config.to_dict(),
-                "data_manifest_sha256": data_lineage_sha256(self.sources),
-                "data_sources": describe(self.sources),
-            }
-            self.checkpointer = Checkpointer(config.checkpoint, ctx, run_info, store, clock=clock)
-            # Inside Ray Train a checkpoint handed to the workers means a restart (or a --resume
-            # launch, which the driver allows only then): resume whatever the config says.
-            self.resuming = config.checkpoint.resume or (ray_storage and _ray_has_checkpoint())
-        lineage = {
-            "raylm.data_manifest_sha256": data_lineage_sha256(self.sources),
-            "raylm.data_sources": json.dumps(describe(self.sources)),
-        }
-        self.metrics = MetricsLogger(
-            config, ctx.is_main, reporter, append=self.resuming, run_dir=self.run_dir, lineage=lineage
-        )
-        self.profiler = StepProfiler.build(config.profile, ctx.rank, ctx.device, self.run_dir)
-        self.telemetry = None
-        if config.metrics.prometheus:
-            from train.telemetry import TrainTelemetry  # OpenTelemetry and an HTTP server, only when asked
 
-            self.telemetry = TrainTelemetry(config, ctx.rank, ctx.world_size)
-        self.peak_flops = device_peak_flops(ctx.device, cfg_par.precision, config.metrics.peak_flops_per_device)
-        self.tokens_per_step = cfg_data.global_batch_size * cfg_model.block_size
+    def __init__(
+        self,
+        config: TrainConfig,
+        ctx: DistContext,
+        *,
+        sources: list[Source],
+        model: ModelParts,
+        run_dir: RunDir,
+        data: DataParts,
+        guard: GuardRail,
+        checkpointer: Checkpointer | None,
+        resuming: bool,
+        metrics: MetricsLogger,
+        profiler: StepProfiler | None,
+        telemetry: TrainTelemetry | None,
+        on_step_end: StepCallback | None = None,
+        on_hang: Callable[[str], None] | None = None,
+    ) -> None:
+        """Stores the collaborators (``from_config`` builds them); the training state starts at step 0 (``resuming``:
+        ``train()`` restores the latest checkpoint first). ``on_hang``: what the watchdog does after logging a hang
+        (None: only the log)."""
+        self.config, self.ctx = config, ctx
+        self.sources, self.manifest = sources, sources[0].manifest
+        self.gpt, self.model, self.optimizer = model.gpt, model.model, model.optimizer
+        self.params = list(self.model.parameters())  # FSDP's are this rank's DTensor shards
+        self.flops_per_token = model.flops_per_token
+        self.run_dir = run_dir
+        self.train_batches, self.val_batches, self.verifier = data.train, data.val, data.verifier
+        self.guard, self.checkpointer, self.resuming = guard, checkpointer, resuming
+        self.metrics, self.profiler, self.telemetry = metrics, profiler, telemetry
+        self.on_step_end, self.on_hang = on_step_end, on_hang
+        self.watchdog: StepWatchdog | None = None  # armed by train()
+        self.grad_accum = self.train_batches.grad_accum
+        self.tokens_per_step = config.data.global_batch_size * config.model.block_size
+        self.peak_flops = device_peak_flops(ctx.device, config.parallel.precision, config.metrics.peak_flops_per_device)
+        # The training state (state_dict, load_state_dict): the step counter and what rides with it.
         self.step = 0
+        self.data_skip = 0  # data steps skipped by rollbacks: step s trains on data step s + data_skip
+        self.best_val_loss = math.inf
+        self.lr_cooldown_until = 0  # steps before this one train at lr × checkpoint.rollback_lr_factor (rollback)
+        # Not in checkpoints: what this process has seen, kept across a rollback's restore.
         self.peak_state_bytes = 0
         self.bad_steps: list[dict[str, Any]] = []
-        self.best_val_loss = math.inf
         self.rollbacks: list[dict[str, Any]] = []
         self.resumed_from: list[dict[str, Any]] = []  # one entry per resume (restarts add more)
-        # Steps before this one train at lr × checkpoint.rollback_lr_factor (set by a rollback).
-        self.lr_cooldown_until = 0
+
+    @property
+    def data_step(self) -> int:
+        """The data step ``step`` trains on (``TrainBatches.load``): the step plus what rollbacks skipped."""
+        return self.step + self.data_skip
 
     # ---------------------------------------------------------------- the loop, top to bottom
     def train(self) -> None:
@@ -274,7 +263,7 @@ class Trainer(Stateful):
         if self.ctx.is_main:
             log.info(
                 "resumed from %s: step %d, %d tokens seen, data step %d",
-                restored.name, self.step, self.step * self.tokens_per_step, self.train_batches.step,
+                restored.name, self.step, self.step * self.tokens_per_step, self.data_step,
             )  # fmt: skip
             if saved_data != data:
                 # Allowed (a mixture reweighted mid-run is a curriculum), never silent: the data position is a count
@@ -282,7 +271,7 @@ class Trainer(Stateful):
                 log.warning(
                     "the data changed since %s: it was saved by a run on data %s, this run's is %s (%s); training "
                     "continues at data step %d of this data, not where the saved run would have gone on",
-                    restored.name, saved_data, data, json.dumps(describe(self.sources)), self.train_batches.step,
+                    restored.name, saved_data, data, json.dumps(describe(self.sources)), self.data_step,
                 )  # fmt: skip
             if restored.world_size != self.ctx.world_size:
                 log.warning(
@@ -336,7 +325,7 @@ class Trainer(Stateful):
                 self._progress(f"evaluation for the checkpoint after step {record['step']}")
                 record["val_loss"] = self.evaluate()
             self._progress(f"checkpoint save after step {record['step']}")
-            info = {"tokens_seen": self.step * self.tokens_per_step, "data_step": self.train_batches.step}
+            info = {"tokens_seen": self.step * self.tokens_per_step, "data_step": self.data_step}
             if record.get("val_loss") is not None:
                 info["val_loss"] = record["val_loss"]
             self.checkpointer.save(self, self.step, kinds, info, rollbacks=len(self.rollbacks))
@@ -349,7 +338,7 @@ class Trainer(Stateful):
     def optimizer_step(self) -> StepResult:
         """Forward/backward over the micro-batches, the guard's verdict, then the update, or a skip
         (and maybe a rollback). ``self.step`` advances by one unless a rollback restored an older step."""
-        step = self.step
+        step, data_step = self.step, self.data_step
         started = time.perf_counter()
         lr = self.learning_rate(step)
         set_learning_rate(self.optimizer, lr)
@@ -357,7 +346,7 @@ class Trainer(Stateful):
         # Accumulate over micro-batches; each loss is divided by the count so the summed gradient is
         # the mean over the rank's sequences, and DDP/FSDP average that over ranks: together, the mean
         # over the global batch, whatever the world size.
-        loaded = self.train_batches.next_step()
+        loaded = self.train_batches.load(data_step)
         micro_batches = loaded.micro_batches
         loss_sum = torch.zeros((), device=self.ctx.device)
         sync_wait = 0.0
@@ -383,7 +372,7 @@ class Trainer(Stateful):
                 scale_grads(self.params, clip / (norm + 1e-6))
             self.optimizer.step()
         else:
-            rollback = self.on_bad_step(step, verdict, norm, local_loss)
+            rollback = self.on_bad_step(step, data_step, verdict, norm, local_loss)
         if rollback is None:
             self.step = step + 1
         self.peak_state_bytes = max(self.peak_state_bytes, sum(state_bytes(self.model, self.optimizer).values()))
@@ -414,7 +403,9 @@ class Trainer(Stateful):
             record["rolled_back_to"] = rollback["restored_step"]
         return StepResult(record, verdict, rollback)
 
-    def on_bad_step(self, step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor) -> dict[str, Any] | None:
+    def on_bad_step(
+        self, step: int, data_step: int, verdict: Verdict, norm: float, local_loss: torch.Tensor
+    ) -> dict[str, Any] | None:
         """The update was skipped (weights and optimizer state untouched). After
         ``checkpoint.rollback_after_bad`` bad steps in a row, roll back to the last good checkpoint
         and skip the data window that led here (returns the rollback's record); otherwise stop after
@@ -424,7 +415,7 @@ class Trainer(Stateful):
             "reasons": verdict.reasons,
             "grad_norm": norm,
             "rank_loss": float(local_loss),
-            "data_position": self.train_batches.position(step),
+            "data_position": self.train_batches.position(data_step),
         }
         self.bad_steps.append(report)
         log.warning("rank %d skipped step %d: %s", self.ctx.rank, step, json.dumps(report))
@@ -435,7 +426,7 @@ class Trainer(Stateful):
             and self.guard.consecutive_bad >= c.rollback_after_bad
             and len(self.rollbacks) < c.max_rollbacks
         ):
-            rollback = self.rollback(step)
+            rollback = self.rollback(step, data_step)
             if rollback is not None:
                 return rollback
         if self.guard.should_stop():
@@ -445,20 +436,19 @@ class Trainer(Stateful):
             )
         return None
 
-    def rollback(self, bad_step: int) -> dict[str, Any] | None:
-        """Restore the last good checkpoint, then move the data position past the bad step's batch:
-        the window from the checkpoint's data position to the bad step is skipped (the spike is
-        often caused by the update *before* it, so skipping only the bad step does not cure it).
+    def rollback(self, bad_step: int, bad_data_step: int) -> dict[str, Any] | None:
+        """Restore the last good checkpoint, then move the data position past the bad step's batch
+        (``bad_data_step``): the window from the checkpoint's data position to the bad step is skipped (the
+        spike is often caused by the update *before* it, so skipping only the bad step does not cure it).
         Returns what was restored and skipped; None when there is no checkpoint to go back to."""
         assert self.checkpointer is not None
-        bad_data_step = self.train_batches.step - 1  # the batch the bad step just consumed
         bad_steps, rollbacks = self.bad_steps, self.rollbacks
         self._progress(f"rollback after bad step {bad_step}: restoring the last checkpoint")
         restored = self.checkpointer.restore(self)
         if restored is None:
             return None
-        resume_data_step = self.train_batches.step
-        self.train_batches.step = bad_data_step + 1
+        resume_data_step = self.data_step
+        self.data_skip = bad_data_step + 1 - self.step  # the restored step trains on the data after the bad one
         c = self.config.checkpoint
         if c.rollback_lr_steps > 0 and c.rollback_lr_factor < 1:
             self.lr_cooldown_until = self.step + c.rollback_lr_steps
@@ -558,7 +548,7 @@ class Trainer(Stateful):
             "progress": {
                 "step": self.step,
                 "tokens_seen": self.step * self.tokens_per_step,
-                "data": self.train_batches.state_dict(),
+                "data": self.train_batches.position_state(self.data_step),
                 "guard": self.guard.state_dict(),
                 "best_val_loss": self.best_val_loss,
                 "lr_cooldown_until": self.lr_cooldown_until,
@@ -576,16 +566,10 @@ class Trainer(Stateful):
         )
         progress = state_dict["progress"]
         self.step = int(progress["step"])
-        self.train_batches.load_state_dict(progress["data"])
+        self.data_skip = self.train_batches.restored_step(progress["data"]) - self.step
         self.guard.load_state_dict(progress["guard"])
         self.best_val_loss = float(progress["best_val_loss"])
         self.lr_cooldown_until = int(progress.get("lr_cooldown_until", 0))
         packed = state_dict.get("rng", {}).get(rng_key(self.ctx.rank))
         if packed is not None:  # absent for a rank that did not exist when the checkpoint was saved
             restore_rng(packed, self.ctx.device)
-
-
-def _ray_has_checkpoint() -> bool:
-    import ray.train
-
-    return ray.train.get_checkpoint() is not None

@@ -56,7 +56,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = DistContext(rank=context.get_world_rank(), world_size=context.get_world_size(), device=device)
-    trainer = Trainer(
+    trainer = Trainer.from_config(
         config, ctx, reporter=ray.train.report, ray_storage=True, on_step_end=loop_config.get(CALLBACK_KEY)
     )
     try:
