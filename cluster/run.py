@@ -10,44 +10,37 @@ exports, the served model id and the scores.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.run_spec import STAGES, DataSource, Job, SpecError, add_spec_arguments, load_job
+from cluster.run_spec import STAGES, Job, SpecError, add_spec_arguments, load_job
 from cluster.stages import (
     CANARY_SET,
-    MARKER,
+    Curate,
+    Eval,
+    Export,
+    Stage,
     StageOutput,
-    curate_material,
-    eval_material,
-    export_material,
+    Train,
+    discard_unverified,
     finish,
-    keyed,
-    run_curate,
-    run_eval,
-    run_export,
-    run_label,
-    run_train,
+    stage_errors,
     tokenizer_source,
-    train_material,
     verified,
 )
 from ground.cache import fetch_verified
 from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, parse_set
 from ground.ray_address import add_address_option
-from ground.storage import Location, StorageError, discard
+from ground.storage import Location, StorageError
 
 LINEAGE = "lineage.json"
-T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,66 +78,39 @@ class StageFailed(RuntimeError):
     """A stage stopped on an error it explains (bad input, a diverged run, too few val documents...)."""
 
 
-def stage_errors() -> tuple[type[BaseException], ...]:
-    """The stages' own errors, whose message says what is wrong: reported as one line, not a traceback."""
-    from pipeline.errors import PipelineInputError, PipelineOutputError
-    from serve.evalset import EvalSetError
-    from train.export import ExportError
-    from train.guard import TrainingDiverged
-    from train.manifest import DataError
-    from train.parallel import ReplicaMismatch
-    from train.preflight import PreflightError
-
-    return (
-        PipelineInputError, PipelineOutputError, PreflightError, TrainingDiverged, ReplicaMismatch, DataError,
-        ExportError, EvalSetError, ConfigError, StorageError,
-    )  # fmt: skip
-
-
-@dataclass
-class Curation:
-    """One data source's curation: where it writes, its gathered inputs (pipeline.run_inputs, which its run reuses)
-    and the curation whose tokenizer it loads (a mixture's first, for the later sources)."""
-
-    source: DataSource
-    out: StageOutput
-    gathered: Any
-    tokenizer_of: StageOutput | None
-
-    def run(self, job: Job, location: Location, resume: bool) -> tuple[list[str], dict[str, Any]]:
-        return run_curate(job, self.source, location, self.gathered, resume, self.tokenizer_of)
-
-
 @dataclass
 class KeyedChain:
-    """Where each stage of a spec writes, from its config and the keys upstream: known before anything runs (and
-    without Ray), so ``--where`` can print it."""
+    """Every keyed stage of a spec, in order, each with where it writes (from its config and the keys upstream):
+    known before anything runs, and without Ray, so ``--where`` can print it."""
 
-    curations: list[Curation]  # one per data source (one, or each source of a mixture), in spec order
-    later: dict[str, StageOutput]  # train, export, eval
+    curations: list[Curate]  # one per data source (one, or each source of a mixture), in spec order
+    train: Train
+    export: Export
+    eval: Eval
 
     @property
     def curated(self) -> list[StageOutput]:
         return [c.out for c in self.curations]
 
+    def through(self, until: str) -> list[Stage]:
+        """The stages that run for ``--until``, in order: curate up to ``until`` (eval at most; serve comes after
+        them and writes no output of its own)."""
+        stages: list[Stage] = [*self.curations, self.train, self.export, self.eval]
+        return [stage for stage in stages if STAGES.index(stage.name) <= STAGES.index(until)]
+
     def where(self, stage: str) -> list[str]:
-        return [out.location.uri for out in self.curated] if stage == "curate" else [self.later[stage].location.uri]
+        return [s.out.location.uri for s in self.through(stage) if s.name == stage]
 
 
-def keyed_outputs(job: Job) -> KeyedChain:
-    root = Location(job.spec.root)
-    curations: list[Curation] = []
+def keyed_stages(job: Job) -> KeyedChain:
+    """The spec's stages, each keyed by its config and the keys of the outputs it reads."""
+    curations: list[Curate] = []
     for source in job.sources:
-        tokenizer_of = tokenizer_source(job, [c.out for c in curations])
-        material, gathered = curate_material(job, source, tokenizer_of)
-        out = keyed(root, "curate", material, part=source.name if job.is_mixture else None)
-        curations.append(Curation(source, out, gathered, tokenizer_of))
+        curations.append(Curate(job, source, tokenizer_source(job, [c.out for c in curations])))
     curated = [c.out for c in curations]
-    # Labelled with the spec's name: Ray Train names the run after its directory, and the dashboard lists it so.
-    trained = keyed(root, "train", train_material(job, curated), label=run_label(job.name))
-    exported = keyed(root, "export", export_material(trained))
-    evaluated = keyed(root, "eval", eval_material(job, curated, exported))
-    return KeyedChain(curations, {"train": trained, "export": exported, "eval": evaluated})
+    trained = Train(job, curated)
+    exported = Export(job, trained.out)
+    return KeyedChain(curations, trained, exported, Eval(job, curated, exported.out))
 
 
 class Chain:
@@ -175,8 +141,10 @@ class Chain:
                 where = "by default /tmp/ray/session_latest/logs on this one; --worker-logs terminal shows them here"
                 print(f"Ray's workers and Serve's replicas log to each node's Ray session logs ({where})", flush=True)
 
-    def stage(self, out: StageOutput, work: Callable[[Location, bool], tuple[list[str], dict[str, Any]]]) -> None:
-        """Skip ``out`` if it is done and verifies; else run ``work(location, resume)`` and record it."""
+    def stage(self, stage: Stage) -> None:
+        """Skip ``stage`` if its output is recorded and verifies; else record it, running its work first unless the
+        output is already whole (finished by a job stopped before it recorded the stage)."""
+        out = stage.out
         name, location = out.name, out.location
         part = f"{out.part}: " if out.part else ""  # a mixture's source
         record, problem = verified(location)
@@ -185,19 +153,21 @@ class Chain:
             say(name, "skipped", f"{part}{location} (done {record['finished']}, verified)")
             return
         if problem is not None:
-            # A finished output that no longer verifies is not trusted in part either: it is redone from scratch.
             say(name, "redoing", f"{part}{location}: {problem}")
-            discard(location, MARKER)
+            discard_unverified(out)
         resume = location.exists() and not location.is_empty()
         say(name, "resuming" if resume else "running", f"{part}{location}")
         self.ensure_ray()
         started = time.time()
         try:
-            proof, result = work(location, resume)
+            # Whole but unrecorded (the job stopped between the work's end and stage.json): recorded, not redone.
+            result = stage.finished()
+            if result is None:
+                result = stage.run(resume)
         except stage_errors() as exc:
             say(name, "failed", f"{part}{location}: its work so far is kept; run the job again to continue")
             raise StageFailed(f"{name}: {part}{exc}") from exc
-        finish(out, proof, result, started, time.time())
+        finish(out, stage.proofs(), result, started, time.time())
         say(name, "done", f"{part}in {out.record['seconds']:.1f} s")
 
     def shutdown(self) -> None:
@@ -208,58 +178,25 @@ class Chain:
 
 
 def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str = "files") -> int:
-    last = STAGES.index(until)
     say("plan", *plan_verdict(job))
-    if last == 0:
+    if until == "plan":
         return 0
-    keyed = keyed_outputs(job)
-    curated, later = keyed.curated, keyed.later
-    trained, exported = later["train"], later["export"]
-    local = not Location(job.spec.root).is_remote
-    work: dict[str, Callable[[Location, bool], tuple[list[str], dict[str, Any]]]] = {
-        "train": lambda out, resume: run_train(job, out, curated, resume),
-        "export": lambda out, resume: as_ray_task(f"{job.name} export", local, run_export, out, trained),
-        "eval": lambda out, resume: as_ray_task(f"{job.name} eval", local, run_eval, job, out, curated, exported),
-    }
-    done = list(STAGES[1 : min(last, STAGES.index("eval")) + 1])
+    keyed = keyed_stages(job)
+    stages = keyed.through(until)
     chain = Chain(address, worker_logs)
     try:
-        for curation in keyed.curations:
-            chain.stage(curation.out, functools.partial(curation.run, job))
-        for name in done[1:]:
-            chain.stage(later[name], work[name])
+        for stage in stages:
+            chain.stage(stage)
         root = Location(job.spec.root)
-        lineage = write_lineage(job, root, curated, {name: later[name] for name in done[1:]})
+        later = {stage.name: stage.out for stage in stages if not isinstance(stage, Curate)}
+        lineage = write_lineage(job, root, keyed.curated, later)
         say("lineage", "written", f"{root.join(LINEAGE)}: model {lineage.get('model_id', '(not exported)')}")
         if until == "serve":
             chain.ensure_ray()  # this job's Ray, also when every stage before was skipped
-            return serve_stage(job, later, lineage["model_id"])
+            return serve_stage(job, keyed.export.out, keyed.eval.out, lineage["model_id"])
         return 0
     finally:
         chain.shutdown()
-
-
-def as_ray_task(name: str, local_root: bool, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` as a Ray task called ``name``, which is how the Ray dashboard lists the stage (the curations are
-    its datasets, training its Train run; export and eval would otherwise be nothing but the driver's own time). With
-    the root in object storage it takes a CPU on any node, so that a cluster's head (which holds none) does not
-    score the model; with a local root it runs where the root is, on this node, as the driver's own work would. A
-    stage's own error reaches the chain as itself, not wrapped in Ray's task error."""
-    import ray
-    from ray.exceptions import RayTaskError
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    placement: dict[str, Any] = {"num_cpus": 1}
-    if local_root:
-        here = ray.get_runtime_context().get_node_id()
-        placement = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
-    task = ray.remote(fn).options(name=name, max_retries=0, **placement)
-    try:
-        return ray.get(task.remote(*args))
-    except RayTaskError as err:
-        if isinstance(err.cause, stage_errors()):
-            raise err.cause from None
-        raise
 
 
 def served_model_id(job: Job, exported: StageOutput) -> str:
@@ -303,14 +240,13 @@ def write_lineage(
     return lineage
 
 
-def serve_stage(job: Job, outputs: dict[str, StageOutput], model_id: str) -> int:
+def serve_stage(job: Job, exported: StageOutput, evaluated: StageOutput, model_id: str) -> int:
     """``python -m serve`` on the export, with the eval stage's canary set, in this process and on this Ray."""
     from serve.__main__ import main as serve_main
 
-    argv = ["--model", outputs["export"].location.join("raylm").uri, *job.serve_argv]
+    argv = ["--model", exported.location.join("raylm").uri, *job.serve_argv]
     if "name" not in job.spec.serve:
         argv += ["--name", model_id]
-    evaluated = outputs["eval"]
     # The canary reads a local file: this node's verified copy when the root is in object storage.
     canary = fetch_verified(evaluated.location.join(CANARY_SET), evaluated.record["files"][CANARY_SET])
     argv += ["--canary-evalset", str(canary)]
@@ -376,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.spec, parse_set(args.set))
         if args.where:
-            print("\n".join(keyed_outputs(job).where(args.where)))  # a mixture's curations: one line each
+            print("\n".join(keyed_stages(job).where(args.where)))  # a mixture's curations: one line each
             return 0
         return run_chain(job, args.until, args.address, args.worker_logs)
     except (SpecError, ConfigError) as exc:

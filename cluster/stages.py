@@ -11,6 +11,11 @@ defaults, which the config dump captures.
 stage finished (the data manifest, the run's summary, the exports' lineage, the scores), so a skip checks them
 rather than trusting the directory; one that no longer verifies is discarded and redone. A directory without it is
 a stage that was cut off: the pipeline resumes it (``--resume``) and training continues from its last checkpoint.
+
+Every stage is a ``Stage``: its keyed output (``out``), the files that prove it (``proofs``), its work (``run``) and,
+for a job stopped between the work's end and ``stage.json``, the result read back from an output that is already
+whole (``finished``). One class per stage: ``Curate`` (one per data source), ``Train``, ``Export``, ``Eval``; the
+driver (cluster/run.py) runs them all alike.
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import json
 import re
 import subprocess
 import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from cluster.run_spec import DataSource, Job
 from ground.hashing import sha256_json, sha256_stream
 from ground.logsetup import stderr_console
-from ground.storage import Location, is_published, publish
+from ground.overrides import ConfigError
+from ground.storage import Location, StorageError, discard, is_published, publish
 
 MARKER = "stage.json"
 TOKENIZER = "tokenizer.json"  # in a pipeline output (docs/formats.md)
 KEY_CHARS = 16  # of the sha256: a directory name that reads; 64 bits of it make a collision among a root's runs moot
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,6 +91,13 @@ def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
         if _sha256(path) != digest:
             return None, f"{name} changed since the stage finished"
     return record, None
+
+
+def discard_unverified(out: StageOutput) -> None:
+    """Delete a finished output that no longer verifies (``verified`` gave why), so that its stage is redone from
+    scratch: a finished output is not trusted in part. The whole directory goes, stage.json first; for training that
+    is the run directory, its checkpoints included."""
+    discard(out.location, MARKER)
 
 
 def _sha256(file: Location) -> str:
@@ -144,23 +160,127 @@ def _iso(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat(timespec="seconds")
 
 
-# ---- the stages' work: each takes the job, its output and the outputs it reads ----
+def stage_errors() -> tuple[type[BaseException], ...]:
+    """The stages' own errors, whose message says what is wrong: reported as one line, not a traceback."""
+    from pipeline.errors import PipelineInputError, PipelineOutputError
+    from serve.evalset import EvalSetError
+    from train.export import ExportError
+    from train.guard import TrainingDiverged
+    from train.manifest import DataError
+    from train.parallel import ReplicaMismatch
+    from train.preflight import PreflightError
+
+    return (
+        PipelineInputError, PipelineOutputError, PreflightError, TrainingDiverged, ReplicaMismatch, DataError,
+        ExportError, EvalSetError, ConfigError, StorageError,
+    )  # fmt: skip
 
 
-def curate_material(job: Job, source: DataSource, tokenizer_of: StageOutput | None) -> tuple[dict[str, Any], Any]:
-    """The curate key's material for one source (the pipeline's own run identity: config, inputs with sizes, resource
-    hashes; for a mixture's later sources, the key of the first, whose tokenizer they load) and the gathered inputs,
-    which the run then reuses instead of listing them again."""
-    from pipeline.run_inputs import gather_inputs
+def as_ray_task(name: str, local_root: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` as a Ray task called ``name``, which is how the Ray dashboard lists the stage (the curations are
+    its datasets, training its Train run; export and eval would otherwise be nothing but the driver's own time). With
+    the root in object storage it takes a CPU on any node, so that a cluster's head (which holds none) does not
+    score the model; with a local root it runs where the root is, on this node, as the driver's own work would. A
+    stage's own error reaches the chain as itself, not wrapped in Ray's task error."""
+    import ray
+    from ray.exceptions import RayTaskError
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    gathered = gather_inputs(source.inputs, source.config, input_list=source.input_list, base_url=source.base_url)
-    identity = gathered.identity(source.config)
-    identity["inputs"] = [[in_checkout(uri), size] for uri, size in identity["inputs"]]
-    material: dict[str, Any] = {"pipeline": identity}
-    if tokenizer_of is not None:
-        # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
-        material["tokenizer_of"] = tokenizer_of.key
-    return material, gathered
+    placement: dict[str, Any] = {"num_cpus": 1}
+    if local_root:
+        here = ray.get_runtime_context().get_node_id()
+        placement = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+    task = ray.remote(fn).options(name=name, max_retries=0, **placement)
+    try:
+        return ray.get(task.remote(*args))
+    except RayTaskError as err:
+        if isinstance(err.cause, stage_errors()):
+            raise err.cause from None
+        raise
+
+
+# ---- the stages: each is keyed when it is made (no Ray, nothing run), then run by the driver ----
+
+
+class Stage(ABC):
+    """One keyed output of the chain and the work that makes it. ``out`` (where it writes, keyed by ``material``) is
+    known as soon as the stage is made, so ``--where`` prints it without running anything."""
+
+    name: ClassVar[str]  # the stage's directory under the root, and its name in the report
+
+    def __init__(self, job: Job, material: dict[str, Any], part: str | None = None, label: str | None = None) -> None:
+        self.job = job
+        self.out = keyed(Location(job.spec.root), self.name, material, part=part, label=label)
+
+    @abstractmethod
+    def proofs(self) -> list[str]:
+        """The files, relative to the output, whose sha256 ``stage.json`` records: a skip hashes them again."""
+
+    @abstractmethod
+    def run(self, resume: bool) -> dict[str, Any]:
+        """Do the stage's work into ``out`` (with ``resume``, continuing what a cut-off run left there); its result,
+        for ``stage.json``."""
+
+    def finished(self) -> dict[str, Any] | None:
+        """The result of an output that is whole but has no ``stage.json`` (the job stopped after the work ended,
+        before it was recorded), read back from the output; None if it is not whole. A stage that does not override
+        this has its unrecorded output run again."""
+        return None
+
+
+class Curate(Stage):
+    """``python -m pipeline run`` on one data source: the spec's inputs, or one source of a mixture."""
+
+    name = "curate"
+
+    def __init__(self, job: Job, source: DataSource, tokenizer_of: StageOutput | None) -> None:
+        """Keyed by the pipeline's own run identity (config, inputs with sizes, resource hashes) and, for a mixture's
+        later sources, the key of the curation whose tokenizer they load (``tokenizer_of``). The gathered inputs
+        are kept: the run reuses them instead of listing the inputs again."""
+        from pipeline.run_inputs import gather_inputs
+
+        self.source, self.tokenizer_of = source, tokenizer_of
+        self.gathered = gather_inputs(
+            source.inputs, source.config, input_list=source.input_list, base_url=source.base_url
+        )
+        identity = self.gathered.identity(source.config)
+        identity["inputs"] = [[in_checkout(uri), size] for uri, size in identity["inputs"]]
+        material: dict[str, Any] = {"pipeline": identity}
+        if tokenizer_of is not None:
+            # Its key, not its path: the same data under another root (a copy, a bucket) is the same curation.
+            material["tokenizer_of"] = tokenizer_of.key
+        super().__init__(job, material, part=source.name if job.is_mixture else None)
+
+    def proofs(self) -> list[str]:
+        return ["manifest.json"]
+
+    def finished(self) -> dict[str, Any] | None:
+        if not is_published(self.out.location, "manifest.json"):  # the pipeline writes its manifest last
+            return None
+        return self._result(self.out.location.join("report.json").read_json())
+
+    def run(self, resume: bool) -> dict[str, Any]:
+        from pipeline.executor import PipelineRun
+
+        job, source = self.job, self.source
+        report = PipelineRun(
+            source.inputs, self.out.location.uri, self.config(), console=stderr_console(),
+            input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=self.gathered,
+            name=f"{job.name} curate" + (f" {source.name}" if job.is_mixture else ""),
+        ).run()  # fmt: skip
+        return self._result(report)
+
+    def config(self) -> Any:
+        """The pipeline config the source runs with: its own, loading ``tokenizer_of``'s tokenizer if it has one."""
+        if self.tokenizer_of is None:
+            return self.source.config
+        tokenizer = self.tokenizer_of.location.join(TOKENIZER).uri
+        tokenize = self.source.config.tokenize.model_copy(update={"tokenizer_path": tokenizer})
+        return self.source.config.model_copy(update={"tokenize": tokenize})
+
+    @staticmethod
+    def _result(report: dict[str, Any]) -> dict[str, Any]:
+        return {"input": report["input"], "output": report["output"]}
 
 
 def tokenizer_source(job: Job, curated: list[StageOutput]) -> StageOutput | None:
@@ -169,83 +289,93 @@ def tokenizer_source(job: Job, curated: list[StageOutput]) -> StageOutput | None
     return curated[0] if curated and not job.pipeline.tokenize.tokenizer_path else None
 
 
-def source_config(source: DataSource, tokenizer_of: StageOutput | None) -> Any:
-    """The pipeline config one source runs with: its own, loading ``tokenizer_of``'s tokenizer if it has one."""
-    if tokenizer_of is None:
-        return source.config
-    tokenize = source.config.tokenize.model_copy(update={"tokenizer_path": tokenizer_of.location.join(TOKENIZER).uri})
-    return source.config.model_copy(update={"tokenize": tokenize})
+class Train(Stage):
+    """``python -m train`` on the curated data (a mixture's sources at their weights). Labelled with the spec's name,
+    ``root/train/<spec>-<key>/``: Ray Train names the run after its directory, and the dashboard lists it so."""
 
+    name = "train"
 
-def run_curate(
-    job: Job, source: DataSource, out: Location, gathered: Any, resume: bool, tokenizer_of: StageOutput | None
-) -> tuple[list[str], dict[str, Any]]:
-    from pipeline.executor import PipelineRun
+    def __init__(self, job: Job, curated: list[StageOutput]) -> None:
+        self.curated = curated
+        super().__init__(job, self._material(job, curated), label=run_label(job.name))
 
-    if is_published(out, "manifest.json"):  # finished, and the job was stopped before it recorded the stage
-        report = out.join("report.json").read_json()
-    else:
-        report = PipelineRun(
-            source.inputs, out.uri, source_config(source, tokenizer_of), console=stderr_console(),
-            input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=gathered,
-            name=f"{job.name} curate" + (f" {source.name}" if job.is_mixture else ""),
-        ).run()  # fmt: skip
-    return ["manifest.json"], {"input": report["input"], "output": report["output"]}
+    @staticmethod
+    def _material(job: Job, curated: list[StageOutput]) -> dict[str, Any]:
+        config = job.train.to_dict()
+        for key in ("data_dir", "output_dir"):
+            config.pop(key, None)
+        config["checkpoint"].pop("resume", None)
+        # What only watches the run (a profile window, prices, the experiment tracker) changes nothing it trains: set
+        # later, it must not redo the stage. The run it watches is the one already done.
+        for section in ("profile", "cost"):
+            config.pop(section, None)
+        for key in ("tracker", "tracker_project", "tracker_uri"):
+            config["metrics"].pop(key, None)
+        if not job.is_mixture:
+            return {"train": config, "data": curated[0].key}
+        mixture = [[s.name, out.key, s.weight] for s, out in zip(job.sources, curated, strict=True)]
+        return {"train": config, "data": mixture}
 
+    def proofs(self) -> list[str]:
+        return ["summary.json", "final/final.json"]
 
-def train_material(job: Job, curated: list[StageOutput]) -> dict[str, Any]:
-    config = job.train.to_dict()
-    for key in ("data_dir", "output_dir"):
-        config.pop(key, None)
-    config["checkpoint"].pop("resume", None)
-    # What only watches the run (a profile window, prices, the experiment tracker) changes nothing it trains: set
-    # later, it must not redo the stage. The run it watches is the one already done.
-    for section in ("profile", "cost"):
-        config.pop(section, None)
-    for key in ("tracker", "tracker_project", "tracker_uri"):
-        config["metrics"].pop(key, None)
-    if not job.is_mixture:
-        return {"train": config, "data": curated[0].key}
-    return {"train": config, "data": [[s.name, out.key, s.weight] for s, out in zip(job.sources, curated, strict=True)]}
+    def finished(self) -> dict[str, Any] | None:
+        if not all(self.out.location.join(name).is_file() for name in self.proofs()):
+            return None
+        return self.out.location.join("summary.json").read_json()
 
+    def run(self, resume: bool) -> dict[str, Any]:
+        from train.config import config_from_dict
+        from train.launch import launch
 
-def run_train(job: Job, out: Location, curated: list[StageOutput], resume: bool) -> tuple[list[str], dict[str, Any]]:
-    from train.config import config_from_dict
-    from train.launch import launch
-
-    proof = ["summary.json", "final/final.json"]
-    if all(out.join(name).is_file() for name in proof):  # finished, and the job was stopped before recording it
-        return proof, out.join("summary.json").read_json()
-    config = job.train.to_dict()
-    config["data_dir"] = curated[0].location.uri  # a mixture's first source: the tokenizer the export copies
-    if job.is_mixture:
-        config["data"]["mixture"] = [
-            {"name": s.name, "path": c.location.uri, "weight": s.weight}
-            for s, c in zip(job.sources, curated, strict=True)
-        ]
-    config["output_dir"] = out.uri
-    config["checkpoint"]["resume"] = resume
-    return proof, launch(config_from_dict(config))
+        job = self.job
+        config = job.train.to_dict()
+        config["data_dir"] = self.curated[0].location.uri  # a mixture's first source: the tokenizer the export copies
+        if job.is_mixture:
+            config["data"]["mixture"] = [
+                {"name": s.name, "path": c.location.uri, "weight": s.weight}
+                for s, c in zip(job.sources, self.curated, strict=True)
+            ]
+        config["output_dir"] = self.out.location.uri
+        config["checkpoint"]["resume"] = resume
+        return launch(config_from_dict(config))
 
 
 EXPORT_FORMATS = ("raylm", "hf")
 
 
-def export_material(trained: StageOutput) -> dict[str, Any]:
-    return {"formats": list(EXPORT_FORMATS), "train": trained.key}
+class Export(Stage):
+    """The trained run in the raylm layout (for serving) and the Hugging Face one (for the harness), as one Ray task."""
+
+    name = "export"
+
+    def __init__(self, job: Job, trained: StageOutput) -> None:
+        self.trained = trained
+        super().__init__(job, {"formats": list(EXPORT_FORMATS), "train": trained.key})
+
+    def proofs(self) -> list[str]:
+        from train.export import LINEAGE
+
+        return [f"{fmt}/{LINEAGE}" for fmt in EXPORT_FORMATS]  # each format's lineage.json, written last
+
+    def finished(self) -> dict[str, Any] | None:
+        if not all(self.out.location.join(name).is_file() for name in self.proofs()):
+            return None
+        return {"formats": list(EXPORT_FORMATS)}
+
+    def run(self, resume: bool) -> dict[str, Any]:
+        local = not self.out.location.is_remote
+        as_ray_task(f"{self.job.name} export", local, _export, self.out.location, self.trained)
+        return {"formats": list(EXPORT_FORMATS)}
 
 
-def run_export(out: Location, trained: StageOutput) -> tuple[list[str], dict[str, Any]]:
+def _export(out: Location, trained: StageOutput) -> None:
+    """Export's work, in its Ray task: each format not complete yet (a cut-off stage keeps the formats it finished)."""
     from train.export import LINEAGE, export
 
     for fmt in EXPORT_FORMATS:
         if not out.join(fmt, LINEAGE).is_file():  # lineage.json is written last: a format with it is complete
             export(trained.location.uri, out.join(fmt).uri, fmt)
-    return [f"{fmt}/{LINEAGE}" for fmt in EXPORT_FORMATS], {"formats": list(EXPORT_FORMATS)}
-
-
-def eval_material(job: Job, curated: list[StageOutput], exported: StageOutput) -> dict[str, Any]:
-    return {"eval": job.spec.eval.model_dump(), "data": [c.key for c in curated], "export": exported.key}
 
 
 EVAL_SCORES = "scores.json"
@@ -253,11 +383,30 @@ HARNESS_LOG = "harness.log"  # lm-evaluation-harness's stderr (its progress bars
 CANARY_SET = "tasks/canary-evalset.jsonl"
 
 
-def run_eval(
-    job: Job, out: Location, curated: list[StageOutput], exported: StageOutput
-) -> tuple[list[str], dict[str, Any]]:
-    """lm-evaluation-harness (``hf`` backend) on the HF export, over the val documents the canary scores: the
-    curation's, or a mixture's sources' in turn (a source without val documents gives none)."""
+class Eval(Stage):
+    """lm-evaluation-harness (``hf`` backend) on the HF export, over the val documents the canary scores, as one Ray
+    task. An eval output without ``stage.json`` is scored again (``finished`` is the base's)."""
+
+    name = "eval"
+
+    def __init__(self, job: Job, curated: list[StageOutput], exported: StageOutput) -> None:
+        self.curated, self.exported = curated, exported
+        material = {"eval": job.spec.eval.model_dump(), "data": [c.key for c in curated], "export": exported.key}
+        super().__init__(job, material)
+
+    def proofs(self) -> list[str]:
+        return [EVAL_SCORES, CANARY_SET]
+
+    def run(self, resume: bool) -> dict[str, Any]:
+        local = not self.out.location.is_remote
+        return as_ray_task(
+            f"{self.job.name} eval", local, _evaluate, self.job, self.out.location, self.curated, self.exported
+        )
+
+
+def _evaluate(job: Job, out: Location, curated: list[StageOutput], exported: StageOutput) -> dict[str, Any]:
+    """Eval's work, in its Ray task: the harness over the curation's val documents, or a mixture's sources' in turn
+    (a source without val documents gives none)."""
     import lm_eval
 
     from ground.cache import fetch_published
@@ -301,7 +450,4 @@ def run_eval(
                 stored.join(path.name).upload_from(path)
         out.join(HARNESS_LOG).upload_from(harness_log)
     out.join(EVAL_SCORES).write_json(scores)
-    return [EVAL_SCORES, CANARY_SET], {
-        "scores": scores,
-        "items": {c.location.uri: items[c.location.uri] for c in curated},
-    }
+    return {"scores": scores, "items": {c.location.uri: items[c.location.uri] for c in curated}}
