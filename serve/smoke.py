@@ -87,15 +87,13 @@ def run_smoke(
             )
         else:
             print(f"canary failed: {canary.get('errors')}")
+    # One line per thing a person opens: the API, the dashboard, and the Prometheus that feeds it (which finds every
+    # replica's scrape endpoint in the file_sd folder, so the endpoints themselves are counted, not listed).
+    targets = metrics_targets(sd_dir)
     print(f"endpoint:   {base_url}/v1/completions   (models: {base_url}/v1/models)")
-    for url in metrics_targets(sd_dir):
-        print(f"metrics:    {url}")
+    print(f"dashboard:  {REPO / 'dashboards' / 'grafana' / 'raylm-serving.json'}   (import it into Grafana)")
     print(
-        f"dashboard:  {REPO / 'dashboards' / 'grafana' / 'raylm-serving.json'} (Grafana provisioning in "
-        f"{REPO / 'dashboards' / 'grafana' / 'provisioning'})"
-    )
-    print(
-        f"prometheus: prometheus --config.file={REPO / 'dashboards' / 'prometheus.yml'}  "
-        f"(alert rules: {REPO / 'dashboards' / 'alerts.yml'})"
+        f"prometheus: prometheus --config.file={REPO / 'dashboards' / 'prometheus.yml'}   "
+        f"({len(targets)} scrape targets in {sd_dir})"
     )
     return result

@@ -60,3 +60,19 @@ def _ray_marker_is_true(request: pytest.FixtureRequest):
 
         if ray.is_initialized():
             pytest.fail(f"{request.node.nodeid} started Ray but is not marked: add pytest.mark.ray to its module")
+
+
+@pytest.fixture(scope="session")
+def multinode(tmp_path_factory: pytest.TempPathFactory):
+    """One multi-node cluster (tests/multinode.py) for every module that uses one: starting a head with the Jobs API,
+    its workers and moto costs each module tens of seconds, and each module takes it whole (``module_cluster``)."""
+    from multinode import multinode_cluster
+
+    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared multi-node cluster run last and together (in their modules' order), so that its driver
+    connection never meets a module's own local Ray, and the cluster stops when the session does."""
+    items.sort(key=lambda item: "multinode" in getattr(item, "fixturenames", ()))

@@ -17,12 +17,14 @@
   lost; :class:`ServingApp` reads Serve's state, the replicas' counts of requests in hand, the proxy's log and the
   metrics.
 
-Use :func:`multinode_cluster` as a context manager from a module-scoped fixture::
+One cluster serves every module that uses one: the session fixture ``multinode`` (tests/conftest.py) starts it on
+first use, the modules that use it run last and together (conftest's ``pytest_collection_modifyitems``), and each
+module takes it through :func:`module_cluster`, which hands it on whole (two live CPU workers, no job of an earlier
+module running, Serve shut down)::
 
     @pytest.fixture(scope="module")
-    def cluster(tmp_path_factory):
-        with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
-            yield started
+    def cluster(multinode):
+        return module_cluster(multinode)
 
 Everything it starts is bounded by a timeout and torn down on exit, also when a test fails: jobs still running are
 stopped, the driver disconnects, every node is killed, moto stops, the environment is restored.
@@ -246,11 +248,14 @@ class MultiNodeCluster:
     def job_logs(self, job_id: str) -> str:
         return self.jobs.get_job_logs(job_id)
 
-    def stop_jobs(self) -> None:
+    def stop_jobs(self, wait_s: float = 0) -> None:
+        """Stop every job still running; with ``wait_s``, wait (bounded) until each has ended."""
         for job_id in self._jobs:
             try:
                 if not self.jobs.get_job_status(job_id).is_terminal():
                     self.jobs.stop_job(job_id)
+                if wait_s:
+                    wait_for(lambda j=job_id: self.jobs.get_job_status(j).is_terminal(), wait_s, f"job {job_id} to end")
             except Exception:  # teardown: a job server already gone must not hide the test's own failure
                 pass
 
@@ -377,6 +382,22 @@ def multinode_cluster(root: Path, workers: int = 2) -> Iterator[MultiNodeCluster
         ray.init(address=started.cluster.address, logging_level="WARNING", log_to_driver=False)
         started.ensure_workers(workers)
         yield started
+
+
+def module_cluster(shared: MultiNodeCluster, workers: int = 2) -> MultiNodeCluster:
+    """The session's cluster in the shape a module starts from: an earlier module's jobs stopped, its Serve apps shut
+    down (their engine replicas hold the workers' CPUs), and exactly ``workers`` plain CPU workers alive: one it lost
+    is replaced, and a node it added beyond them (a replacement, an ingress node) is removed, so that an elastic run
+    finds no spare node."""
+    from ray import serve
+
+    shared.stop_jobs(wait_s=60)
+    serve.shutdown()
+    plain = [w for w in shared.workers if w.num_cpus == WORKER_CPUS and not w.resources]
+    for extra in [w for w in shared.workers if w not in plain[:workers]]:
+        shared.kill_node(extra)
+    shared.ensure_workers(workers)
+    return shared
 
 
 def _reload_auth_settings() -> None:

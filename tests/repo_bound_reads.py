@@ -5,16 +5,18 @@ sources and licenses in data/README.md). A path like ``../shared/data`` works on
 to hold that folder and fails at collection in a fresh clone, so this watches the whole run for it.
 
 It listens to Python's audit events for opening a file and listing a folder (``open``, ``os.listdir``,
-``os.scandir``) in the pytest process, and records every path under the checkout's parent folder that is neither
-inside the checkout nor in a place the run writes to on its own (the interpreter's prefix, pytest's temporary
-folder, the system's temporary folder where the checkout is not in it) nor in a hidden folder (tool caches such as
-``~/.cache`` when the checkout sits in a home folder). At the end of the session, each such path is listed with the
-test that touched it, and the run fails. Processes the tests start (Ray workers, CLIs) are not watched; what they
-read comes from the paths the tests hand them, which are.
+``os.scandir``) in the pytest process, and records every path in a folder that stood beside the checkout when the
+session started (``../shared``, say), unless it is where the run writes on its own: the interpreter's prefix,
+pytest's temporary folders, Ray's (``/tmp/ray``), or a hidden folder (tool caches such as ``~/.cache`` when the
+checkout sits in a home folder). Folders that appear during the run are the run's own (a checkout in ``/tmp`` sees
+its tests' temporary folders appear beside it). At the end of the session, each such path is listed with the test
+that touched it, and the run fails. Processes the tests start (Ray workers, CLIs) are not watched; what they read
+comes from the paths the tests hand them, which are.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import sys
 import tempfile
@@ -33,7 +35,14 @@ class RepoBoundReads:
     def __init__(self, root: Path, allowed: list[Path]) -> None:
         self.root = os.path.realpath(root)
         self.parent = os.path.dirname(self.root)
-        self.allowed = [os.path.realpath(p) for p in allowed]
+        # A folder that holds the checkout itself cannot be the run's own: it would hold what stands beside it too.
+        self.allowed = [f for f in map(os.path.realpath, allowed) if not _under(self.root, f)]
+        # What stood beside the checkout before the run: the folders a test must not read.
+        self.beside = {
+            name
+            for name in os.listdir(self.parent)
+            if not name.startswith(".") and os.path.join(self.parent, name) != self.root
+        }
         self.current_test = "(collection)"
         self.active = True
         self.outside: dict[str, str] = {}  # path -> the first test that touched it
@@ -48,10 +57,11 @@ class RepoBoundReads:
         if not _under(path, self.parent) or _under(path, self.root):
             return
         path = os.path.realpath(path)
-        if _under(path, self.root) or any(_under(path, folder) for folder in self.allowed):
+        if not _under(path, self.parent) or _under(path, self.root):
             return
-        first_component = os.path.relpath(path, self.parent).split(os.sep, 1)[0]
-        if first_component.startswith(".") and first_component != "..":
+        if os.path.relpath(path, self.parent).split(os.sep, 1)[0] not in self.beside:
+            return
+        if any(_under(path, folder) for folder in self.allowed):
             return
         self.outside.setdefault(path, self.current_test)
 
@@ -72,14 +82,18 @@ class RepoBoundReads:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    root = config.rootpath
     system_tmp = Path(tempfile.gettempdir())
-    allowed = [Path(sys.prefix), Path(sys.base_prefix)]
-    if config.option.basetemp:  # pytester's inner runs put theirs beside their root
+    # The run's own places: the interpreter, pytest's temporary folders (a given --basetemp, as pytester's inner runs
+    # have, or the default's root), and Ray's temporary folder.
+    allowed = [
+        Path(sys.prefix),
+        Path(sys.base_prefix),
+        system_tmp / f"pytest-of-{getpass.getuser()}",
+        system_tmp / "ray",
+    ]
+    if config.option.basetemp:
         allowed.append(Path(config.option.basetemp))
-    if not _under(os.path.realpath(root), os.path.realpath(system_tmp)):
-        allowed.append(system_tmp)  # pytest's own temporary folders are there by default
-    watcher = RepoBoundReads(root, allowed)
+    watcher = RepoBoundReads(config.rootpath, allowed)
     # An audit hook cannot be removed: after this session (a pytester run inside the suite) it stays, inert.
     sys.addaudithook(watcher.audit)
     config.pluginmanager.register(watcher, "repo_bound_reads_watcher")

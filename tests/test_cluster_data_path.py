@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +29,7 @@ from multinode import (
     PIPELINE_JOB_ARGS,
     MultiNodeCluster,
     load_bench,
-    multinode_cluster,
+    module_cluster,
     python_module,
     stored_output,
     wait_for,
@@ -53,9 +52,8 @@ RETRY_KILL_AT = "0.01"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
-    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
+def cluster(multinode: MultiNodeCluster) -> MultiNodeCluster:
+    return module_cluster(multinode)
 
 
 @pytest.fixture(scope="module")

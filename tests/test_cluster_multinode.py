@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
-from multinode import MultiNodeCluster, multinode_cluster
+from multinode import MultiNodeCluster, module_cluster
 
 from ground.storage import Location
 
@@ -19,9 +18,8 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
-    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
+def cluster(multinode: MultiNodeCluster) -> MultiNodeCluster:
+    return module_cluster(multinode)
 
 
 @ray.remote(num_cpus=1)

@@ -360,8 +360,10 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_t
     items = len((Path(chain["lineage"]["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").read_text().splitlines())
     canary = rf"canary \S+: score -?\d+\.\d{{3}} nats/token \({items}/{items} items, lineage [0-9a-f]{{12}}\)"
     assert re.search(canary, log), log
-    assert f"endpoint:   {base}/v1/completions" in log and "metrics:    http://" in log, log
-    assert "dashboard:  " in log and "raylm-serving.json" in log and "prometheus: prometheus --config.file=" in log
+    # One line per thing to open: the endpoint, the dashboard, and Prometheus (which finds the replicas' targets).
+    assert f"endpoint:   {base}/v1/completions" in log and "dashboard:  " in log and "raylm-serving.json" in log, log
+    assert re.search(r"prometheus: prometheus --config\.file=\S+   \([1-9]\d* scrape targets in ", log), log
+    assert "metrics:    http://" not in log, log
     assert alive(processes) == []  # its own local Ray went with it, and so did its vLLM engine
     # The replicas' and vLLM's own output stays in the Ray session's logs (--worker-logs files, the default): none
     # of Ray's forwarded lines, "(ServeReplica:raylm:... pid=N) ...", cuts into the job's output.

@@ -67,3 +67,27 @@ def test_the_cpu_a_module_spent_in_a_child_process_is_its_own(pytester: pytest.P
     # The child's second of CPU (its interpreter's start on top); the sleeping module's 0.6 s used next to none.
     assert rows["test_busy.py"] >= 0.9, result.outlines[start:]
     assert rows["test_busy.py"] > rows["test_slow.py"] + 0.5, result.outlines[start:]
+
+
+def test_a_module_that_grew_past_its_budget_fails_the_run_and_a_slower_machine_does_not(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_slow=SLOW, test_slow_too=SLOW, test_quick=QUICK)  # the slow ones take 0.6 s or more
+    pytester.makeini("[pytest]\nmodule_budgets = budgets.yaml\n")
+    budgets = pytester.path / "budgets.yaml"
+    header = "max_growth: 1.5\nmin_seconds: 0\ndefault_seconds: 30\nreference:\n"
+
+    def run(**reference: float) -> pytest.RunResult:
+        budgets.write_text(header + "".join(f"  {m}.py: {t}\n" for m, t in reference.items()))
+        return pytester.runpytest("-p", "module_durations")
+
+    # Within their references: the run passes.
+    assert run(test_slow=30, test_slow_too=30).ret == pytest.ExitCode.OK
+    # One module grew to twice its reference while the other kept to its own: the grown one fails the run.
+    result = run(test_slow=0.3, test_slow_too=30)
+    result.assert_outcomes(passed=5)  # every test passed: the budget alone fails the run
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*modules over their time budget*", "*speed*", "test_slow.py: *s, budget 0s"])
+    assert not any(line.startswith(("test_quick.py:", "test_slow_too.py:")) for line in result.outlines)
+    # Both twice their references: the machine is slower, not a module grown, and the run passes.
+    assert run(test_slow=0.3, test_slow_too=0.3).ret == pytest.ExitCode.OK

@@ -55,7 +55,6 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +69,7 @@ from multinode import (
     Request,
     ServingApp,
     load_bench,
-    multinode_cluster,
+    module_cluster,
     publish_export,
     python_module,
     start_serving,
@@ -94,9 +93,8 @@ SCALE_TOKENS = 200  # the scale-up's requests: shorter, so that a turn ends with
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
-    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
+def cluster(multinode: MultiNodeCluster) -> MultiNodeCluster:
+    return module_cluster(multinode)
 
 
 # python -m serve's default (min 1, max 2) with a target of 1 request per replica and short windows. The ingress's

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 import ray.cloudpickle
 import torch
-from multinode import TRAIN_ENV, MultiNodeCluster, load_bench, multinode_cluster, python_module, wait_for
+from multinode import TRAIN_ENV, MultiNodeCluster, load_bench, module_cluster, python_module, wait_for
 from remote_servers import upload_dir
 from safetensors.torch import load as load_safetensors
 from train_fixtures import tiny_overrides
@@ -58,9 +57,8 @@ JOB_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
-    with multinode_cluster(tmp_path_factory.mktemp("cluster")) as started:
-        yield started
+def cluster(multinode: MultiNodeCluster) -> MultiNodeCluster:
+    return module_cluster(multinode)
 
 
 def run_dir(cluster: MultiNodeCluster, name: str) -> Location:
