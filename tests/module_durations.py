@@ -76,9 +76,8 @@ class Budgets:
     def budget(self, module: str, speed: float) -> float:
         return max(self.reference.get(module, self.default_seconds), self.min_seconds) * self.max_growth * speed
 
-    def over(self, seconds: dict[str, float]) -> list[tuple[str, float, float]]:
-        """(module, seconds, budget) for every module past its budget, slowest first."""
-        speed = self.speed(seconds)
+    def over(self, seconds: dict[str, float], speed: float) -> list[tuple[str, float, float]]:
+        """(module, seconds, budget) for every module past its budget at the run's ``speed``, slowest first."""
         rows = [(m, t, self.budget(m, speed)) for m, t in seconds.items() if t > self.budget(m, speed)]
         return sorted(rows, key=lambda row: -row[1])
 
@@ -86,6 +85,8 @@ class Budgets:
 class ModuleDurations:
     def __init__(self, budgets: Budgets | None = None) -> None:
         self.budgets = budgets
+        self.speed = 1.0  # the run's speed against the budgets' references, once the session ends
+        self.over_budget: list[tuple[str, float, float]] = []  # (module, seconds, budget), once the session ends
         self.seconds: dict[str, float] = defaultdict(float)
         self.tests: dict[str, set[str]] = defaultdict(set)
         self.cpu_seconds: dict[str, float] = defaultdict(float)
@@ -107,20 +108,22 @@ class ModuleDurations:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.budgets and self.budgets.over(self.seconds) and session.exitstatus == pytest.ExitCode.OK:
+        # Judged once, here, where the exit status can still change; the summary (printed later) reports it.
+        if self.budgets:
+            self.speed = self.budgets.speed(self.seconds)
+            self.over_budget = self.budgets.over(self.seconds, self.speed)
+        if self.over_budget and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         self._table(terminalreporter)
-        over = self.budgets.over(self.seconds) if self.budgets else []
-        if over:
+        if self.budgets and self.over_budget:
             terminalreporter.section("modules over their time budget", red=True)
-            assert self.budgets is not None
             terminalreporter.write_line(
-                f"this run's speed against the references: {self.budgets.speed(self.seconds):.2f}x; a module may take "
+                f"this run's speed against the references: {self.speed:.2f}x; a module may take "
                 f"{self.budgets.max_growth:g}x its reference at that speed"
             )
-            for module, seconds, budget in over:
+            for module, seconds, budget in self.over_budget:
                 terminalreporter.write_line(f"{module}: {seconds:.1f}s, budget {budget:.0f}s")
             terminalreporter.write_line(
                 "cut the module's cost (share a fixture, fewer steps) or raise its budget in the budgets file, "
