@@ -115,6 +115,8 @@ class ModuleDurations:
         if self.over_budget and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    # Last of the summaries, after --durations' list: a CI log's tail then shows why the run failed.
+    @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         self._table(terminalreporter)
         if self.budgets and self.over_budget:

@@ -9,7 +9,8 @@ It listens to Python's audit events for opening a file and listing a folder (``o
 session started (``../shared``, say), unless it is where the run writes on its own: the interpreter's prefix,
 pytest's temporary folders, Ray's (``/tmp/ray``), or a hidden folder (tool caches such as ``~/.cache`` when the
 checkout sits in a home folder). Folders that appear during the run are the run's own (a checkout in ``/tmp`` sees
-its tests' temporary folders appear beside it). At the end of the session, each such path is listed with the test
+its tests' temporary folders appear beside it), and a checkout right in the system's temporary folder has only
+scratch beside it, so nothing is watched there. At the end of the session, each such path is listed with the test
 that touched it, and the run fails. Processes the tests start (Ray workers, CLIs) are not watched; what they read
 comes from the paths the tests hand them, which are.
 """
@@ -37,10 +38,13 @@ class RepoBoundReads:
         self.parent = os.path.dirname(self.root)
         # A folder that holds the checkout itself cannot be the run's own: it would hold what stands beside it too.
         self.allowed = [f for f in map(os.path.realpath, allowed) if not _under(self.root, f)]
-        # What stood beside the checkout before the run: the folders a test must not read.
+        # What stood beside the checkout before the run: the folders a test must not read. A checkout right in the
+        # system's temporary folder has only other processes' scratch beside it (compiler caches, earlier runs'
+        # folders, which the libraries the tests use read on their own), no data folder, so nothing is watched there.
+        scratch = self.parent == os.path.realpath(tempfile.gettempdir())
         self.beside = {
             name
-            for name in os.listdir(self.parent)
+            for name in ([] if scratch else os.listdir(self.parent))
             if not name.startswith(".") and os.path.join(self.parent, name) != self.root
         }
         self.current_test = "(collection)"
@@ -72,6 +76,7 @@ class RepoBoundReads:
         if self.outside and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    @pytest.hookimpl(trylast=True)  # after --durations' list: a CI log's tail then shows why the run failed
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.outside:
             return
