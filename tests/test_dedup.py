@@ -76,6 +76,70 @@ def test_near_duplicates_are_clustered_and_lowest_id_kept(long_texts):
     assert docs[1].get("reason") is None and docs[2].get("reason") is None
 
 
+def kept_and_dropped(docs: list[dict]) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """The record ids kept, and each dropped one's (reason, duplicate_of)."""
+    kept = {d["warc_record_id"] for d in docs if d.get("reason") is None}
+    dropped = {d["warc_record_id"]: (d["reason"], d["duplicate_of"]) for d in docs if d.get("reason")}
+    return kept, dropped
+
+
+@pytest.mark.parametrize("actors", [1, 3])  # 3: id-c is owned by another shard than id-a and id-b
+def test_an_exact_copy_of_a_near_duplicate_names_the_document_kept(long_texts, actors):
+    """id-b is a near duplicate of id-a and id-c an exact copy of id-b: the exact cluster {b, c} has b for its lowest
+    key, but b is dropped in the near cluster {a, b, c}. id-c is still dropped as an exact duplicate, and its
+    duplicate_of names id-a, the document kept in b's place, not b."""
+    original = long_texts[0]
+    near = edit_words(original, 0.01, seed=1)
+    assert 0.8 <= text_jaccard(original, near) < 1.0
+    out = deduplicate(
+        [doc("id-c", near), doc("id-b", near), doc("id-a", original)], DedupConfig(num_index_actors=actors)
+    )
+    kept, dropped = kept_and_dropped(out)
+    assert kept == {"id-a"}
+    assert dropped == {"id-b": ("near_duplicate", "id-a"), "id-c": ("exact_duplicate", "id-a")}
+    assert all(of in kept for _, of in dropped.values())
+    assert all(d["stage"] == (EXACT if d["warc_record_id"] == "id-c" else MINHASH) for d in out if d.get("reason"))
+
+
+@pytest.mark.parametrize("actors", [1, 3])
+def test_a_near_duplicate_of_a_kept_exact_pair_names_its_lowest_key(long_texts, actors):
+    """The other order: id-b is an exact copy of id-a, which is kept, and id-c a near duplicate of both."""
+    original = long_texts[0]
+    docs = [doc("id-c", edit_words(original, 0.01, seed=1)), doc("id-b", original.upper()), doc("id-a", original)]
+    kept, dropped = kept_and_dropped(deduplicate(docs, DedupConfig(num_index_actors=actors)))
+    assert kept == {"id-a"}
+    assert dropped == {"id-b": ("exact_duplicate", "id-a"), "id-c": ("near_duplicate", "id-a")}
+
+
+def test_every_duplicate_names_a_kept_document_whatever_the_order_of_ids_in_a_chain(long_texts):
+    """Groups of four: a base, its exact copy, a near variant and the variant's exact copy, their record ids
+    shuffled, so that the lowest id of an exact pair is sometimes dropped in its near cluster. Each group keeps its
+    lowest id; the others name it, as exact duplicates if a lower id has the same text, else as near ones."""
+    rng = random.Random(5)
+    groups = []
+    for i, base in enumerate(long_texts[:4]):
+        variant = edit_words(base, 0.01, seed=i)
+        groups.append([base, base.lower(), variant, variant.upper()])
+    ids = [f"id-{n:02d}" for n in rng.sample(range(100), 4 * len(groups))]
+    docs, expected = [], {}
+    for g, texts in enumerate(groups):
+        group_ids = ids[4 * g : 4 * g + 4]
+        lowest = min(group_ids)
+        for t, (record_id, text) in enumerate(zip(group_ids, texts, strict=True)):
+            docs.append(doc(record_id, text))
+            twin = group_ids[t ^ 1]  # the other text of the same exact pair
+            if record_id != lowest:
+                expected[record_id] = ("exact_duplicate" if twin < record_id else "near_duplicate", lowest)
+    rng.shuffle(docs)
+    # The defect's case is there: an exact pair whose lowest id is not its group's.
+    assert any(min(ids[i : i + 2]) != min(ids[i - i % 4 : i - i % 4 + 4]) for i in range(0, len(ids), 2))
+    for actors in (1, 3):
+        kept, dropped = kept_and_dropped(deduplicate([dict(d) for d in docs], DedupConfig(num_index_actors=actors)))
+        assert dropped == expected
+        assert kept == {min(ids[4 * g : 4 * g + 4]) for g in range(len(groups))}
+        assert all(of in kept for _, of in dropped.values())
+
+
 def test_dissimilar_documents_are_kept(long_texts):
     original = long_texts[0]
     far = edit_words(original, 0.5, seed=2)

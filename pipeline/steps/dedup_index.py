@@ -48,7 +48,7 @@ propagation. The phases, in order:
     :class:`_Labelled` (and, once every kind's is gone, its spill files); an owner keeps each of its duplicates once:
     a :class:`_Duplicates`.
 11. Decisions (``decision_arrays``, ``decisions``, ``write_decisions``): each shard reports the duplicates it owns,
-    an exact duplicate once, as exact.
+    an exact duplicate once, as exact, and each with its near cluster's lowest key, the document kept in its place.
 
 :func:`verify_candidates` runs phases 2 to 4 and :func:`label_clusters` phases 5 to 10 on every shard.
 """
@@ -785,11 +785,21 @@ class BucketIndex:
         # An exact duplicate is a near one too (the near edges include the exact ones, and a key has one owner):
         # it is reported once, as exact.
         at = np.minimum(np.searchsorted(near.keys, exact.keys), max(len(near.keys) - 1, 0))
+        found = near.keys[at] == exact.keys if len(near.keys) else np.zeros(len(exact.keys), bool)
+        if not found.all():
+            raise RuntimeError(
+                f"dedup index shard {self.shard_id}: {int((~found).sum())} of its exact duplicates are not among its "
+                "near duplicates; the near edges include the exact ones, and both kinds' duplicates go to their owner"
+            )
         is_near = np.ones(len(near.keys), bool)
-        is_near[at[near.keys[at] == exact.keys] if len(near.keys) else at[:0]] = False
+        is_near[at] = False
         keys = np.concatenate([exact.keys, near.keys[is_near]])
         stages = np.repeat(np.array([EXACT.encode(), MINHASH.encode()]), [len(exact.keys), is_near.sum()])
-        return keys, stages, np.concatenate([exact.kept, near.kept[is_near]])
+        # An exact duplicate names the key its near cluster keeps, not its exact cluster's lowest key: that one can be
+        # a near duplicate of a lower key (an exact copy of a near copy), and dropped. The near cluster holds the
+        # exact one, so the document is among this shard's near duplicates too, with the key actually kept: no other
+        # shard's part is needed.
+        return keys, stages, np.concatenate([near.kept[at], near.kept[is_near]])
 
     def decisions(self) -> dict[str, tuple[str, str]]:
         """(stage, kept key) for every duplicate this shard owns."""
