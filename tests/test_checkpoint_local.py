@@ -356,3 +356,37 @@ def test_a_checkpoints_model_config_is_read_as_written_then() -> None:
         "rope": (True, "(unknown to this version)")
     }
     assert model_changes({}, model) == {}
+
+
+def test_a_resume_with_another_global_batch_is_refused_and_more_steps_keep_the_schedule(
+    token_dir: Path, tmp_path: Path, reference, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint's data position counts steps of its global batch: another batch would skip or repeat samples, so
+    it is refused, naming both values. More steps extend the run without reshaping the learning-rate schedule: it
+    stays the first launch's, and the steps past it train at its final rate."""
+    from train.optim import learning_rate
+    from train.resume_check import BatchChanged
+
+    ref_dir, _ = reference
+    run = Path(shutil.copytree(ref_dir, tmp_path / "run"))
+    saved = make_config(token_dir, run).data.global_batch_size
+    bigger = Trainer.from_config(
+        make_config(token_dir, run, **{"checkpoint.resume": True, "data.global_batch_size": 2 * saved}), CPU
+    )
+    with pytest.raises(BatchChanged) as refused:
+        bigger.resume()
+    message = str(refused.value)
+    assert f"data.global_batch_size={saved}; this run has data.global_batch_size={2 * saved}" in message, message
+    assert bigger.step == 0 and bigger.resumed_from == []
+    bigger.close()
+
+    longer = Trainer.from_config(make_config(token_dir, run, **{"checkpoint.resume": True, "steps": STEPS + 4}), CPU)
+    with caplog.at_level("WARNING", logger="train.trainer"):
+        longer.resume()
+    assert longer.step == STEPS and longer.schedule_steps == STEPS
+    optimizer = longer.config.optimizer
+    assert longer.learning_rate(STEPS - 1) == learning_rate(STEPS - 1, STEPS, optimizer)  # the first launch's curve
+    assert longer.learning_rate(STEPS + 2) == optimizer.lr * optimizer.min_lr_ratio  # past it: the final rate
+    (warning,) = [r.getMessage() for r in caplog.records if "steps changed" in r.getMessage()]
+    assert f"({STEPS} -> {STEPS + 4})" in warning and "final learning rate" in warning, warning
+    longer.close()

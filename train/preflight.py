@@ -15,7 +15,7 @@ from ground.storage import Location, StorageError, check_scheme
 from train.config import TrainConfig
 from train.manifest import DataError, Manifest
 from train.mixture import load_sources
-from train.resume_check import ModelChanged, check_resumable
+from train.resume_check import BatchChanged, ModelChanged, check_resumable
 
 
 class PreflightError(ValueError):
@@ -163,6 +163,6 @@ def check_checkpoints(config: TrainConfig, run_dir: Location) -> None:
         except CorruptCheckpoint:
             continue  # the workers pass over it too (Checkpointer.restore)
         try:
-            check_resumable(location, manifest, config.model)
-        except ModelChanged as exc:
+            check_resumable(location, manifest, config)
+        except (ModelChanged, BatchChanged) as exc:
             raise PreflightError(str(exc)) from exc

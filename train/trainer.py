@@ -187,6 +187,9 @@ class Trainer(Stateful):
         self.data_skip = 0  # data steps skipped by rollbacks: step s trains on data step s + data_skip
         self.best_val_loss = math.inf
         self.lr_cooldown_until = 0  # steps before this one train at lr × checkpoint.rollback_lr_factor (rollback)
+        # The steps the learning-rate schedule decays over: the first launch's ``steps``, kept by its checkpoints, so
+        # that a resume with more steps (an extended run) continues the schedule rather than reshaping it mid-run.
+        self.schedule_steps = config.steps
         # Not in checkpoints: what this process has seen, kept across a rollback's restore.
         self.peak_state_bytes = 0
         self.bad_steps: list[dict[str, Any]] = []
@@ -239,7 +242,7 @@ class Trainer(Stateful):
         config = self.config
 
         def accept(name: str, manifest: dict[str, Any]) -> None:
-            check_resumable(f"checkpoint {name} of {config.output_dir}", manifest, config.model)
+            check_resumable(f"checkpoint {name} of {config.output_dir}", manifest, config)
 
         restored = self.checkpointer.restore(self, accept=accept)
         if restored is None:
@@ -272,6 +275,14 @@ class Trainer(Stateful):
                     "the data changed since %s: it was saved by a run on data %s, this run's is %s (%s); training "
                     "continues at data step %d of this data, not where the saved run would have gone on",
                     restored.name, saved_data, data, json.dumps(describe(self.sources)), self.data_step,
+                )  # fmt: skip
+            if self.schedule_steps != config.steps:
+                log.warning(
+                    "steps changed since the run's first launch (%d -> %d): the learning-rate schedule stays the first "
+                    "launch's, decaying over %d steps; %s",
+                    self.schedule_steps, config.steps, self.schedule_steps,
+                    "the steps past it train at its final learning rate" if config.steps > self.schedule_steps
+                    else "the run ends before the schedule does",
                 )  # fmt: skip
             if restored.world_size != self.ctx.world_size:
                 log.warning(
@@ -499,7 +510,7 @@ class Trainer(Stateful):
     def learning_rate(self, step: int) -> float:
         """The schedule's lr (a pure function of the step), lowered by ``checkpoint.rollback_lr_factor``
         for the ``rollback_lr_steps`` steps that follow a rollback."""
-        lr = learning_rate(step, self.config.steps, self.config.optimizer)
+        lr = learning_rate(step, self.schedule_steps, self.config.optimizer)
         if step < self.lr_cooldown_until:
             lr *= self.config.checkpoint.rollback_lr_factor
         return lr
@@ -552,6 +563,7 @@ class Trainer(Stateful):
                 "guard": self.guard.state_dict(),
                 "best_val_loss": self.best_val_loss,
                 "lr_cooldown_until": self.lr_cooldown_until,
+                "schedule_steps": self.schedule_steps,
             },
             # Rank-unique key: DCP keeps one copy of a plain tensor saved under the same key by every rank.
             "rng": {rng_key(self.ctx.rank): capture_rng(self.ctx.device)},
@@ -570,6 +582,8 @@ class Trainer(Stateful):
         self.guard.load_state_dict(progress["guard"])
         self.best_val_loss = float(progress["best_val_loss"])
         self.lr_cooldown_until = int(progress.get("lr_cooldown_until", 0))
+        # A checkpoint written before the schedule was kept decayed over the steps of the run that wrote it.
+        self.schedule_steps = int(progress.get("schedule_steps", self.schedule_steps))
         packed = state_dict.get("rng", {}).get(rng_key(self.ctx.rank))
         if packed is not None:  # absent for a rank that did not exist when the checkpoint was saved
             restore_rng(packed, self.ctx.device)
