@@ -277,6 +277,10 @@ def serve_until_stopped(args: argparse.Namespace, built: dict[str, Any], api_key
         # a request whose replica was lost mid-request, and start-up timeouts a busy node meets (controller_env.py).
         controller_options={"runtime_env": {"env_vars": controller_env()}},
     )
+    from serve.drain import remove_control
+
+    if remove_control(APP_NAME):
+        log.warning("removed the drain control an earlier deploy of %r left (its drain was cut short)", APP_NAME)
     serve.run(build_app(built), name=APP_NAME, route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(

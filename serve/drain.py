@@ -38,6 +38,7 @@ NAMESPACE = "raylm"
 RETRY_AFTER_S = 1  # a draining server does not come back: the client should retry at once, on another one
 REPORT_GRACE_S = 5.0  # after the cut, how long the driver waits for every replica to report its streams ended
 PROGRESS_EVERY_S = 5.0  # how often a long drain logs what it still waits for
+RELOOK_MIN_S, RELOOK_MAX_S = 0.5, 10.0  # a replica's backoff while it cannot reach the app's drain control
 DEREGISTER_TIMEOUT_S = 5.0  # a stopping replica's wait for the control to take its leave (a lost control: not longer)
 
 
@@ -80,11 +81,19 @@ class DrainControl:
             # since exit_actor() would wait for the long polls the departed replicas left open here.
             ray.kill(ray.get_runtime_context().current_actor)
 
+    async def is_draining(self) -> bool:
+        return self._draining.is_set()
+
     async def wait_draining(self) -> None:
         await self._draining.wait()
 
     async def wait_cut(self) -> None:
         await self._cut.wait()
+
+    async def wait_removed(self) -> None:
+        """Never returns: a replica's call that ends, with an error, only when this control is removed (after a cut,
+        the replica waits on it, so that a control reset by a new deploy is followed there too)."""
+        await asyncio.Event().wait()
 
     async def start(self) -> None:
         self._draining.set()
@@ -171,9 +180,16 @@ def drain(app: str, timeout_s: float, poll_s: float = 0.1) -> DrainResult:
     )
 
 
-def remove_control(app: str) -> None:
-    with contextlib.suppress(ValueError):  # never made: nothing to remove
-        ray.kill(ray.get_actor(control_name(app), namespace=NAMESPACE))
+def remove_control(app: str) -> bool:
+    """End the app's drain control; whether there was one. After a drain, its caller removes it; before a deploy, the
+    deploying process removes one left by an earlier deploy whose drain was cut short (its ``python -m serve`` killed
+    mid-drain), so that the new deploy's replicas start from a fresh control and do not answer 503 forever."""
+    try:
+        control = ray.get_actor(control_name(app), namespace=NAMESPACE)
+    except ValueError:  # never made, or already ended
+        return False
+    ray.kill(control)
+    return True
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -224,28 +240,39 @@ class ReplicaDrain:
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
-        try:
-            for attempt in range(3):
+        """Follow the app's drain for the replica's life. A control that goes away (removed by a new deploy because
+        a killed drain left it draining, or lost with its node) is found again, made fresh if need be, and its state
+        taken: a replica neither stays draining for a control that is gone nor misses a drain because registering
+        failed once. Registering after a drain began answers it at once (the control is draining)."""
+        delay = RELOOK_MIN_S
+        while True:
+            try:
                 self._control = get_control(self.app)
-                try:
-                    await self._control.register.remote(self.replica)
-                    break
-                except ray.exceptions.ActorDiedError:
-                    # Found as the app's previous replicas all left (it exits then), before its name was freed.
-                    if attempt == 2:
-                        raise
-                    await asyncio.sleep(0.5)
-            await self._control.wait_draining.remote()
-            self.draining = True
-            in_flight = self.counts.in_flight
-            log.warning("draining: /health answers 503, new requests 503; %d request(s) in flight", in_flight)
-            self.report()
-            await self._control.wait_cut.remote()
-            if self.counts.in_flight:
-                log.warning("shutdown timeout: cutting %d request(s) still in flight", self.counts.in_flight)
-            self._cut.set()
-        except Exception as exc:  # the control is gone (its cluster is going): serving goes on as it was
-            log.warning("drain control of app %r unavailable: %r", self.app, exc)
+                await self._control.register.remote(self.replica)
+                delay = RELOOK_MIN_S
+                if self.draining and not await self._control.is_draining.remote():
+                    self.draining = False
+                    self._cut = asyncio.Event()  # a new one: requests that raced the old cut keep theirs
+                    log.warning("the app's drain control was reset (a new deploy): serving again")
+                await self._control.wait_draining.remote()
+                if not self.draining:
+                    self.draining = True
+                    log.warning(
+                        "draining: /health answers 503, new requests 503; %d request(s) in flight",
+                        self.counts.in_flight,
+                    )
+                self.report()
+                await self._control.wait_cut.remote()
+                if not self._cut.is_set():
+                    if self.counts.in_flight:
+                        log.warning("shutdown timeout: cutting %d request(s) still in flight", self.counts.in_flight)
+                    self._cut.set()
+                await self._control.wait_removed.remote()  # ends by an error: the control was removed
+            except Exception as exc:  # the control is gone, or not reachable yet: look again, backing off
+                self._control = None
+                log.warning("drain control of app %r unavailable (%r): looking again in %.1f s", self.app, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RELOOK_MAX_S)
 
     async def until_cut(self, work: Awaitable[T]) -> T:
         """``await work``, unless the deadline comes first: then it is cancelled and ``ShutdownCut`` raised."""

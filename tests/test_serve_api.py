@@ -36,7 +36,7 @@ from serve_fixtures import documents, one_replica_args, running_app, sse_events
 
 from ground.formats import EOT
 from serve.app import compose_app
-from serve.drain import RETRY_AFTER_S, drain, remove_control
+from serve.drain import RETRY_AFTER_S, drain, get_control, remove_control
 from serve.engine import ExportServer
 from serve.ingress import ENGINE_HEALTH_TIMEOUT_S, RayLMIngress
 from serve.model_dir import hf_model_dir, read_export
@@ -639,3 +639,17 @@ def test_drain_finishes_the_streams_in_flight_refuses_new_ones_and_cuts_at_the_d
     assert (result.drained, result.aborted, result.rejected) == (2, 1, 1), result
     assert result.seconds >= DRAIN_TIMEOUT_S and result.unreported == 0 and result.replicas == 1
     assert result.line().startswith("drained 2, aborted 1, in ")
+
+
+def test_a_drain_cut_short_is_undone_by_the_next_deploy(base_url: str, client: openai.OpenAI) -> None:
+    """``python -m serve`` killed mid-drain (SIGTERM, then SIGKILL when a grace period is shorter than
+    ``--shutdown-timeout``) leaves the app's drain control draining, and the replicas answering 503. The next deploy
+    removes that control first (``serve_until_stopped``); the replicas follow their control, so they find a fresh one
+    and serve again rather than answer 503 forever."""
+    import ray
+
+    ray.get(get_control("raylm").start.remote())  # a drain began, and its driver is gone
+    wait_for(lambda: requests.get(f"{base_url}/health", timeout=30).status_code == 503, 30, "/health to answer 503")
+    assert remove_control("raylm")  # what a deploy does before serve.run
+    wait_for(lambda: requests.get(f"{base_url}/health", timeout=30).status_code == 200, 60, "/health to answer 200")
+    assert client.completions.create(model=MODEL, prompt="The library", max_tokens=4).choices[0].text
