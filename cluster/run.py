@@ -28,8 +28,8 @@ from cluster.stages import (
     Stage,
     StageOutput,
     Train,
-    discard_unverified,
     finish,
+    set_aside_unverified,
     stage_errors,
     tokenizer_source,
     verified,
@@ -153,8 +153,8 @@ class Chain:
             say(name, "skipped", f"{part}{location} (done {record['finished']}, verified)")
             return
         if problem is not None:
-            say(name, "redoing", f"{part}{location}: {problem}")
-            discard_unverified(out)
+            aside = set_aside_unverified(out)
+            say(name, "redoing", f"{part}{location}: {problem}; the old output moved to {aside}")
         resume = location.exists() and not location.is_empty()
         say(name, "resuming" if resume else "running", f"{part}{location}")
         self.ensure_ray()
@@ -254,6 +254,29 @@ def serve_stage(job: Job, exported: StageOutput, evaluated: StageOutput, model_i
     return serve_main(argv)
 
 
+def planned_vocab_size(job: Job) -> int:
+    """The embedding rows the trainer will build: the named tokenizer's vocabulary when the spec loads one
+    (``data.tokenize.tokenizer_path``), else the size the pipeline trains its tokenizer to, an upper bound.
+
+    The trainer takes its vocabulary from the data manifest, which records ``get_vocab_size()`` of the tokenizer the
+    pipeline used, unpadded; the file is read here as the pipeline reads it (``load_tokenizer``: a local path or an
+    object-storage URI, any other scheme refused)."""
+    tokenize = job.pipeline.tokenize
+    if not tokenize.tokenizer_path:
+        return tokenize.vocab_size
+    from pipeline.steps.tokenize import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(tokenize.tokenizer_path)
+    # tokenizers raises a bare Exception for a file it cannot parse; every failure here is the spec's path's.
+    except Exception as exc:
+        raise SpecError(
+            f"{job.source}: plan: data.tokenize.tokenizer_path {tokenize.tokenizer_path!r}: cannot read the "
+            f"tokenizer to size the model's embedding: {exc}"
+        ) from exc
+    return int(tokenizer.get_vocab_size())
+
+
 def plan_verdict(job: Job) -> tuple[str, str]:
     """The planner's check of the spec's training on the spec's GPUs: a spec that cannot fit is refused here,
     before anything starts (``SpecError`` naming the fields)."""
@@ -271,7 +294,7 @@ def plan_verdict(job: Job) -> tuple[str, str]:
     planned = {
         "name": job.source,
         "model": {"n_layer": model.n_layer, "n_embd": model.n_embd, "n_head": model.n_head,
-                  "vocab_size": job.pipeline.tokenize.vocab_size, "seq_len": model.block_size, "bias": model.bias},
+                  "vocab_size": planned_vocab_size(job), "seq_len": model.block_size, "bias": model.bias},
         "training": {"tokens": float(train.steps * data.global_batch_size * model.block_size),
                      "micro_batch": data.micro_batch_size, "grad_accum": micro_steps,
                      "zero_stage": zero,

@@ -9,8 +9,9 @@ defaults, which the config dump captures.
 
 ``stage.json`` is written last. A directory with it is complete, and it lists the sha256 of the files that prove the
 stage finished (the data manifest, the run's summary, the exports' lineage, the scores), so a skip checks them
-rather than trusting the directory; one that no longer verifies is discarded and redone. A directory without it is
-a stage that was cut off: the pipeline resumes it (``--resume``) and training continues from its last checkpoint.
+rather than trusting the directory; one that no longer verifies is moved aside (never deleted) and redone. A
+directory without it is a stage that was cut off: the pipeline resumes it (``--resume``) and training continues
+from its last checkpoint.
 
 Every stage is a ``Stage``: its keyed output (``out``), the files that prove it (``proofs``), its work (``run``) and,
 for a job stopped between the work's end and ``stage.json``, the result read back from an output that is already
@@ -37,7 +38,7 @@ from cluster.run_spec import DataSource, Job
 from ground.hashing import sha256_json, sha256_stream
 from ground.logsetup import stderr_console
 from ground.overrides import ConfigError
-from ground.storage import Location, StorageError, discard, is_published, publish
+from ground.storage import Location, StorageError, is_published, move_aside, publish
 
 MARKER = "stage.json"
 TOKENIZER = "tokenizer.json"  # in a pipeline output (docs/formats.md)
@@ -93,11 +94,13 @@ def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
     return record, None
 
 
-def discard_unverified(out: StageOutput) -> None:
-    """Delete a finished output that no longer verifies (``verified`` gave why), so that its stage is redone from
-    scratch: a finished output is not trusted in part. The whole directory goes, stage.json first; for training that
-    is the run directory, its checkpoints included."""
-    discard(out.location, MARKER)
+def set_aside_unverified(out: StageOutput) -> Location:
+    """Move a finished output that no longer verifies (``verified`` gave why) out of its key's way, to
+    ``<its directory>.unverified-<UTC time>`` beside it, and return where. Its stage is then redone from scratch, since
+    a finished output is not trusted in part; but nothing of it is deleted: a training run extended by hand keeps its
+    checkpoints, to resume from or to compare."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return move_aside(out.location, MARKER, f"{out.location.name}.unverified-{stamp}")
 
 
 def _sha256(file: Location) -> str:

@@ -5,9 +5,11 @@ through pyarrow's filesystems. Every stage reads and writes its outputs through 
   ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``; credentials from the AWS SDK's default chain: environment,
   profile, or the instance profile a cluster node runs with); ``gs://`` is Google Cloud Storage (application
   default credentials). Any other scheme is refused by name, never taken for a local path.
-* Writes: an object store has no rename, so an object appears whole when its upload completes; a local file is
-  written under a temporary name and renamed, so two writers of one file (a killed task still finishing and its
-  redo) never interleave. Either way a file is never seen half-written at its final name.
+* Writes: a file is written under a temporary name beside it (``.NAME.tmp-PID-RANDOM``) and put in place only once
+  complete: renamed on a local disk, so two writers of one file (a killed task still finishing and its redo) never
+  interleave; copied to its key in object storage, which has no rename, and whose uploads pyarrow cannot abort.
+  Either way a file is never seen half-written at its final name, and a failed write leaves what was there before
+  (except an S3 object too big to copy in one request: :meth:`Location._upload`).
 * Publishing: an output directory is complete when its manifest, the last file written, is there
   (:func:`publish`); readers look for it first. Discarding an output deletes the manifest first (:func:`discard`).
 
@@ -18,6 +20,7 @@ them: apache/arrow#49643), and cached per bucket and environment.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -29,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
@@ -50,7 +53,9 @@ _ENV = (
     "STORAGE_EMULATOR_HOST",
 )
 COPY_CHUNK = 8 << 20
-TEMP_MARK = ".tmp-"  # in the name of a local file being written (see Location.open_output)
+TEMP_MARK = ".tmp-"  # in the name of a file or object being written (see Location.open_output)
+# The largest object S3 copies in one request (CopyObject, which pyarrow's move uses); see Location._upload.
+S3_COPY_LIMIT = 5 << 30
 _filesystems: dict[tuple, pafs.FileSystem] = {}
 _lock = threading.Lock()
 
@@ -80,6 +85,11 @@ def check_scheme(uri: str | os.PathLike, also: tuple[str, ...] = ()) -> str:
     if scheme in STORAGE_SCHEMES and not os.fspath(uri).split("://", 1)[1].split("/", 1)[0]:
         raise StorageError(f"{uri}: no bucket in the URI")
     return scheme
+
+
+def _temp_name(name: str) -> str:
+    """The name a writer gives ``name`` while writing it: hidden, and unique to this process and call."""
+    return f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def local_path(uri: str | os.PathLike) -> Path:
@@ -267,20 +277,19 @@ class Location:
     @contextmanager
     def open_output(self) -> Iterator[BinaryIO]:
         """A stream whose content appears at this location, whole, when the block ends without an error, and not
-        at all when it raises. Local: written under a temporary name beside the file and renamed. Object storage:
-        written to a local temporary file (in ``TMPDIR``, this node's scratch) and uploaded when the block ends,
-        because pyarrow cannot abort an upload: closing its stream after an error would publish a truncated object."""
+        at all when it raises (nor when the upload after it fails). Local: written under a temporary name beside
+        the file and renamed. Object storage: written to a local temporary file (in ``TMPDIR``, this node's
+        scratch), then uploaded when the block ends (:meth:`_upload`)."""
         if self.is_remote:
             with tempfile.TemporaryFile() as buffer:
                 yield buffer
+                size = buffer.seek(0, os.SEEK_END)
                 buffer.seek(0)
-                with self.fs.open_output_stream(self.path) as out:
-                    for chunk in iter(lambda: buffer.read(COPY_CHUNK), b""):
-                        out.write(chunk)
+                self._upload(buffer, size)
             return
         final = Path(self.path)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = final.with_name(_temp_name(final.name))
         try:
             with open(tmp, "wb") as out:
                 yield out
@@ -300,14 +309,50 @@ class Location:
         self.write_text(json.dumps(obj, indent=2) + "\n")
 
     def upload_from(self, path: str | Path) -> None:
-        """Copy a local file here, whole at its final name (a local copy is renamed into place)."""
+        """Copy a local file here, whole at its final name or not at all (:meth:`open_output`)."""
         if self.is_remote:
-            with open(path, "rb") as src, self.fs.open_output_stream(self.path) as out:
-                for chunk in iter(lambda: src.read(COPY_CHUNK), b""):
-                    out.write(chunk)
+            with open(path, "rb") as src:
+                self._upload(src, os.fstat(src.fileno()).st_size)
             return
         with open(path, "rb") as src, self.open_output() as out:
             shutil.copyfileobj(src, out, COPY_CHUNK)
+
+    def _upload(self, src: BinaryIO, size: int) -> None:
+        """Upload the rest of ``src`` (``size`` bytes) to this object, whole or not at all.
+
+        pyarrow's output streams cannot be aborted (Arrow's C++ ``Abort`` is not exposed in Python): ``close``,
+        which a ``with`` block and the stream's destructor both call, completes the upload with whatever was
+        written so far. So the bytes go to a temporary key beside this one, moved here only after a complete
+        close; an upload that fails or is interrupted (Ctrl-C, a cancelled task) deletes its temporary key, and
+        this key keeps what it held. One exception: S3 copies at most ``S3_COPY_LIMIT`` in one request, so a
+        bigger S3 object is written in place, and a failed upload deletes this key: absent afterwards too, but
+        readers can see it truncated until then, and what it held before is lost. (A killed process leaves an
+        incomplete multipart upload instead: cluster/README.md, "Interrupted uploads".)"""
+        target = self.path
+        if scheme_of(self.uri) != "s3" or size <= S3_COPY_LIMIT:
+            target = f"{self.parent.path}/{_temp_name(self.name)}"
+        try:
+            self._write(src, target)
+            if target != self.path:
+                self.fs.move(target, self.path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.delete_file(target)
+            raise
+
+    def _write(self, src: BinaryIO, path: str) -> None:
+        """Write the rest of ``src`` to the object ``path``. Interrupted, the stream is closed at once (which
+        publishes what was written: the caller deletes it), not left to its destructor, which could run after the
+        caller's delete, since the traceback keeps the stream alive."""
+        out = self.fs.open_output_stream(path)
+        try:
+            for chunk in iter(lambda: src.read(COPY_CHUNK), b""):
+                out.write(chunk)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                out.close()
+            raise
+        out.close()
 
     def delete(self) -> None:
         """Remove this file or directory and everything under it; nothing there is not an error."""
@@ -319,11 +364,17 @@ class Location:
 
 
 def remove_partial_writes(directory: Location) -> int:
-    """Remove the temporary files that writers killed mid-write (SIGKILL, a lost node) left under a local
-    directory; returns how many. Object storage has none: its writes are staged in the writer's TMPDIR."""
+    """Remove the temporary files that writers killed mid-write (SIGKILL, a lost node) left under a directory;
+    returns how many. In object storage, a temporary object is left only by a writer killed between the end of its
+    upload and the move into place; one killed mid-upload leaves an incomplete multipart upload, not an object
+    (cluster/README.md, "Interrupted uploads")."""
+    pattern = f".*{TEMP_MARK}*"  # the names _temp_name gives
     if directory.is_remote:
-        return 0
-    leftovers = [p for p in Path(directory.path).rglob(f".*{TEMP_MARK}*") if p.is_file()]
+        names = [name for name in directory.files() if PurePosixPath(name).match(pattern)]
+        for name in names:
+            directory.join(name).delete()
+        return len(names)
+    leftovers = [p for p in Path(directory.path).rglob(pattern) if p.is_file()]
     for path in leftovers:
         path.unlink(missing_ok=True)
     return len(leftovers)
@@ -342,6 +393,20 @@ def discard(directory: Location, manifest: str) -> None:
     """Remove an output: its manifest first, so no reader ever takes what is left for a complete output."""
     directory.join(manifest).delete()
     directory.delete()
+
+
+def move_aside(directory: Location, manifest: str, name: str) -> Location:
+    """Move an output, whole, to ``name`` beside it, and return where it went. A local directory is renamed. Object
+    storage has no rename: every object is copied first (the output stays whole where it was until its copy is), then
+    the original is discarded, its manifest first, so no reader takes what is left for a complete output."""
+    aside = directory.parent.join(name)
+    if not directory.is_remote:
+        os.replace(directory.local(), aside.local())
+        return aside
+    for file in directory.files():
+        directory.fs.copy_file(directory.join(file).path, aside.join(file).path)
+    discard(directory, manifest)
+    return aside
 
 
 def join(location: str | os.PathLike, name: str) -> str:

@@ -20,18 +20,24 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from pydantic import ValidationError
+from tokenizers import Tokenizer, models
 
 from cluster import checkpointing, flops, memory, scaling
 from cluster.job_spec import JobSpec, load_job_spec
 from cluster.model_shape import gpt_param_count
 from cluster.plan import main
 from cluster.planner import build_plan
+from cluster.run import plan_verdict, planned_vocab_size
+from cluster.run_spec import Job, SpecError, load_job
 from cluster.trainer_memory import predict_trainer_state_bytes
+from ground.formats import EOT
 from ground.gpus import GPUS, lookup_gpu
+from pipeline.steps.tokenize import TokenizeConfig, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "cluster" / "jobs"
@@ -324,6 +330,74 @@ def test_dollar_budget_drives_sizing() -> None:
         spec_dict = _spec()
         del spec_dict["cluster"]["price_per_gpu_hour"]
         JobSpec.model_validate({**spec_dict, "budget": {"dollars": 1e6}})
+
+
+# ---------------------------------------------------------------- the chain's plan (python -m cluster.run)
+
+
+def _chain_job(tmp_path: Path, tokenizer_path: str | None = None, **model: int) -> Job:
+    """A cluster.run spec on the sample with the demo pipeline and train configs (``model``: train.model keys over
+    them), planned for one L4."""
+    data: dict[str, Any] = {"inputs": str(ROOT / "data" / "sample"), "base": str(ROOT / "pipeline/configs/demo.yaml")}
+    if tokenizer_path is not None:
+        data["tokenize"] = {"tokenizer_path": tokenizer_path}
+    spec = {
+        "root": str(tmp_path / "root"),
+        "data": data,
+        "train": {"base": str(ROOT / "train/configs/demo.yaml"), "model": model},
+        "cluster": {"gpus": 1, "gpu_type": "L4", "gpus_per_node": 1},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return load_job(path)
+
+
+def _gpt2_sized_tokenizer(path: Path) -> Path:
+    """A tokenizer.json with GPT-2's 50,257 ids, EOT among them: the size is what the plan reads."""
+    vocab = {EOT: 0, **{f"t{i}": i for i in range(1, 50257)}}
+    Tokenizer(models.BPE(vocab=vocab, merges=[])).save(str(path))
+    return path
+
+
+def test_chain_plan_sizes_the_embedding_by_the_tokenizer_the_spec_names(tmp_path: Path) -> None:
+    sentences = ["The planner reads the tokenizer the data stage will load.", "A model has one embedding table."] * 4
+    path = tmp_path / "tokenizer.json"
+    train_tokenizer(sentences, TokenizeConfig(vocab_size=300, min_frequency=1)).save(str(path))
+    rows = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)  # what train/preflight.py checks
+    job = _chain_job(tmp_path, str(path))
+    assert rows != job.pipeline.tokenize.vocab_size  # the spec's own vocab_size (8192) sizes a trained tokenizer only
+    assert planned_vocab_size(job) == rows
+    status, detail = plan_verdict(job)
+    m = job.train.model
+    assert status == "done"
+    n_params = gpt_param_count(m.n_layer, m.n_embd, rows, m.block_size, m.bias)
+    assert detail.startswith(f"{n_params / 1e6:.1f}M parameters")
+    assert planned_vocab_size(_chain_job(tmp_path)) == job.pipeline.tokenize.vocab_size  # no tokenizer named
+
+
+def test_chain_plan_refuses_a_model_that_fits_only_with_the_specs_vocab_size(tmp_path: Path) -> None:
+    # 6 × 4096 on one L4: the trainer's state fits with 8,192 embedding rows, not with GPT-2's 50,257.
+    shape = {"n_layer": 6, "n_embd": 4096, "n_head": 32}
+    assert plan_verdict(_chain_job(tmp_path, **shape))[0] == "done"
+    job = _chain_job(tmp_path, str(_gpt2_sized_tokenizer(tmp_path / "gpt2.json")), **shape)
+    with pytest.raises(SpecError, match=r"plan: train\.model does not fit on one L4"):
+        plan_verdict(job)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("missing.json", "no such file"),
+        ("not-json.json", "cannot read the tokenizer"),
+        ("http://example.com/tokenizer.json", "unsupported scheme 'http'"),
+    ],
+)
+def test_chain_plan_names_a_tokenizer_it_cannot_read(tmp_path: Path, name: str, problem: str) -> None:
+    (tmp_path / "not-json.json").write_text("not a tokenizer")
+    where = name if "://" in name else str(tmp_path / name)
+    with pytest.raises(SpecError, match=r"data\.tokenize\.tokenizer_path") as refused:
+        plan_verdict(_chain_job(tmp_path, where))
+    assert where in str(refused.value) and problem in str(refused.value)
 
 
 # ---------------------------------------------------------------- CLI

@@ -402,7 +402,8 @@ def test_a_finished_output_that_no_longer_verifies_is_redone_and_an_unrecorded_o
     lineage = chain["lineage"]
     scores = Path(lineage["eval"]["dir"]) / "scores.json"
     honest = scores.read_bytes()
-    scores.write_text(json.dumps({"raylm_val_ppl": {"bits_per_byte": 0.01}}))
+    tampered = {"raylm_val_ppl": {"bits_per_byte": 0.01}}
+    scores.write_text(json.dumps(tampered))
     # A job stopped after the pipeline and the training run finished but before it recorded them: their outputs are
     # complete, only stage.json is missing.
     data, run_dir = Path(lineage["data"]["dir"]), Path(lineage["train"]["run_dir"])
@@ -412,6 +413,10 @@ def test_a_finished_output_that_no_longer_verifies_is_redone_and_an_unrecorded_o
     stdout, states = run(chain["spec"], "--until", "eval")
     assert [states[s] for s in ("curate", "train", "export", "eval")] == ["resuming", "resuming", "skipped", "redoing"]
     assert "scores.json changed since the stage finished" in stdout
+    # Moved aside whole under a name that says why, never deleted (for training, that keeps the checkpoints).
+    (aside,) = scores.parent.parent.glob(f"{scores.parent.name}.unverified-*")
+    assert json.loads((aside / "scores.json").read_text()) == tampered and (aside / "stage.json").is_file()
+    assert f"the old output moved to {aside}" in stdout
     assert re.search(r"^\[eval\s*\] running", stdout, re.MULTILINE)
     assert scores.read_bytes() == honest  # lm-eval on the same export scores the same
     # Recorded, not redone: nothing of theirs was rewritten.
