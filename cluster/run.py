@@ -29,12 +29,14 @@ from cluster.stages import (
     StageOutput,
     Train,
     finish,
+    lease_file,
     set_aside_unverified,
     stage_errors,
     tokenizer_source,
     verified,
 )
 from ground.cache import fetch_verified
+from ground.lease import Lease, LeaseHeld
 from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, parse_set
 from ground.ray_address import add_address_option
@@ -64,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the Ray workers' and Serve replicas' output goes: 'files' (default) leaves it in each node's Ray "
         "session logs (the Ray dashboard's Logs view), so that this job's output is its stages, their progress and "
         "the served completion; 'terminal' also copies every line here, prefixed with its process",
+    )
+    parser.add_argument(
+        "--accept-code-change",
+        action="store_true",
+        help="let a curation that was cut off resume under another code version (commit or local changes) than it "
+        "began with, which is refused otherwise; its finished work keeps the old code's output",
     )
     add_address_option(parser)
     return parser.parse_args(argv)
@@ -102,11 +110,13 @@ class KeyedChain:
         return [s.out.location.uri for s in self.through(stage) if s.name == stage]
 
 
-def keyed_stages(job: Job) -> KeyedChain:
-    """The spec's stages, each keyed by its config and the keys of the outputs it reads."""
+def keyed_stages(job: Job, accept_code_change: bool = False) -> KeyedChain:
+    """The spec's stages, each keyed by its config and the keys of the outputs it reads. ``accept_code_change``: a
+    cut-off curation may resume under other code (``--accept-code-change``)."""
     curations: list[Curate] = []
     for source in job.sources:
-        curations.append(Curate(job, source, tokenizer_source(job, [c.out for c in curations])))
+        tokenizer_of = tokenizer_source(job, [c.out for c in curations])
+        curations.append(Curate(job, source, tokenizer_of, accept_code_change))
     curated = [c.out for c in curations]
     trained = Train(job, curated)
     exported = Export(job, trained.out)
@@ -142,16 +152,34 @@ class Chain:
                 print(f"Ray's workers and Serve's replicas log to each node's Ray session logs ({where})", flush=True)
 
     def stage(self, stage: Stage) -> None:
-        """Skip ``stage`` if its output is recorded and verifies; else record it, running its work first unless the
-        output is already whole (finished by a job stopped before it recorded the stage)."""
+        """Skip ``stage`` if its output is recorded and verifies; else, holding the output's lease (no other run on
+        this root writes it meanwhile), record it, running its work first unless the output is already whole
+        (finished by a job stopped before it recorded the stage)."""
+        out = stage.out
+        if self._skipped(out):
+            return
+        try:
+            with Lease(out.location, lease_file(out)):
+                if not self._skipped(out):  # finished by the run that held the lease until now
+                    self._run(stage)
+        except LeaseHeld as exc:
+            say(out.name, "failed", str(exc))
+            raise StageFailed(f"{out.name}: {exc}") from exc
+
+    def _skipped(self, out: StageOutput) -> bool:
+        record, _ = verified(out.location)
+        if record is None:
+            return False
+        out.record = record
+        part = f"{out.part}: " if out.part else ""  # a mixture's source
+        say(out.name, "skipped", f"{part}{out.location} (done {record['finished']}, verified)")
+        return True
+
+    def _run(self, stage: Stage) -> None:
         out = stage.out
         name, location = out.name, out.location
-        part = f"{out.part}: " if out.part else ""  # a mixture's source
-        record, problem = verified(location)
-        if record is not None:
-            out.record = record
-            say(name, "skipped", f"{part}{location} (done {record['finished']}, verified)")
-            return
+        part = f"{out.part}: " if out.part else ""
+        _, problem = verified(location)
         if problem is not None:
             aside = set_aside_unverified(out)
             say(name, "redoing", f"{part}{location}: {problem}; the old output moved to {aside}")
@@ -177,11 +205,13 @@ class Chain:
             ray.shutdown()
 
 
-def run_chain(job: Job, until: str, address: str | None = None, worker_logs: str = "files") -> int:
+def run_chain(
+    job: Job, until: str, address: str | None = None, worker_logs: str = "files", accept_code_change: bool = False
+) -> int:
     say("plan", *plan_verdict(job))
     if until == "plan":
         return 0
-    keyed = keyed_stages(job)
+    keyed = keyed_stages(job, accept_code_change)
     stages = keyed.through(until)
     chain = Chain(address, worker_logs)
     try:
@@ -337,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.where:
             print("\n".join(keyed_stages(job).where(args.where)))  # a mixture's curations: one line each
             return 0
-        return run_chain(job, args.until, args.address, args.worker_logs)
+        return run_chain(job, args.until, args.address, args.worker_logs, args.accept_code_change)
     except (SpecError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

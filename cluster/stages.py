@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import json
 import re
-import subprocess
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from cluster.run_spec import DataSource, Job
+from ground.code_version import code_version
 from ground.hashing import sha256_json, sha256_stream
 from ground.logsetup import stderr_console
 from ground.overrides import ConfigError
@@ -94,6 +94,13 @@ def verified(out: Location) -> tuple[dict[str, Any] | None, str | None]:
     return record, None
 
 
+def lease_file(out: StageOutput) -> Location:
+    """Where the lease on ``out`` lives while a run writes it (ground/lease.py): ``<root>/.leases/<stage>/<dir>``,
+    outside the output, so that the output stays empty until its work starts and moves aside without it."""
+    directory = out.location
+    return directory.parent.parent.join(".leases", directory.parent.name, directory.name)
+
+
 def set_aside_unverified(out: StageOutput) -> Location:
     """Move a finished output that no longer verifies (``verified`` gave why) out of its key's way, to
     ``<its directory>.unverified-<UTC time>`` beside it, and return where. Its stage is then redone from scratch, since
@@ -124,23 +131,6 @@ def finish(out: StageOutput, proof_files: list[str], result: dict[str, Any], sta
         "seconds": round(ended - started, 1),
     }
     publish(out.location, MARKER, out.record)
-
-
-def code_version() -> str:
-    """The checkout's commit (with ``+dirty`` for uncommitted changes), or "unknown" outside a git checkout (a
-    ``ray job submit --working-dir`` upload has no .git)."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True,
-            timeout=10, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]  # the repository this code runs from
@@ -236,13 +226,16 @@ class Curate(Stage):
 
     name = "curate"
 
-    def __init__(self, job: Job, source: DataSource, tokenizer_of: StageOutput | None) -> None:
+    def __init__(
+        self, job: Job, source: DataSource, tokenizer_of: StageOutput | None, accept_code_change: bool = False
+    ) -> None:
         """Keyed by the pipeline's own run identity (config, inputs with sizes, resource hashes) and, for a mixture's
         later sources, the key of the curation whose tokenizer they load (``tokenizer_of``). The gathered inputs
-        are kept: the run reuses them instead of listing the inputs again."""
+        are kept: the run reuses them instead of listing the inputs again. ``accept_code_change``: a cut-off
+        curation resumes under another code version than it began with (the pipeline's --accept-code-change)."""
         from pipeline.run_inputs import gather_inputs
 
-        self.source, self.tokenizer_of = source, tokenizer_of
+        self.source, self.tokenizer_of, self.accept_code_change = source, tokenizer_of, accept_code_change
         self.gathered = gather_inputs(
             source.inputs, source.config, input_list=source.input_list, base_url=source.base_url
         )
@@ -268,7 +261,8 @@ class Curate(Stage):
         job, source = self.job, self.source
         report = PipelineRun(
             source.inputs, self.out.location.uri, self.config(), console=stderr_console(),
-            input_list=source.input_list, base_url=source.base_url, resume=resume, prepared=self.gathered,
+            input_list=source.input_list, base_url=source.base_url, resume=resume,
+            accept_code_change=self.accept_code_change, prepared=self.gathered,
             name=f"{job.name} curate" + (f" {source.name}" if job.is_mixture else ""),
         ).run()  # fmt: skip
         return self._result(report)

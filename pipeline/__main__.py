@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the unfinished run of this output (same config and inputs), redoing only unfinished work",
     )
     run.add_argument(
+        "--accept-code-change",
+        action="store_true",
+        help="with --resume: continue a run that began under another code version (commit or local changes); "
+        "without it such a resume is refused. The finished work keeps the old code's output (each unit's marker "
+        "in OUTPUT/.staging/work/done/ names the code that wrote it)",
+    )
+    run.add_argument(
         "--name",
         help="what the Ray dashboard lists the run's datasets by, and its metrics' run label (default: the output "
         "directory's name)",
@@ -247,6 +254,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         input_list=args.input_list,
         base_url=args.base_url,
         resume=args.resume,
+        accept_code_change=args.accept_code_change,
         name=args.name,
     )
     import ray

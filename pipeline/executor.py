@@ -160,6 +160,7 @@ class PipelineRun:
         input_list: str | None = None,
         base_url: str | None = None,
         resume: bool = False,
+        accept_code_change: bool = False,
         prepared: RunInputs | None = None,
         name: str | None = None,
     ) -> None:
@@ -193,6 +194,7 @@ class PipelineRun:
             overwrite,
             resume,
             resources=self.resources,
+            accept_code_change=accept_code_change,
         )
 
     def _say(self, msg: str) -> None:
@@ -292,7 +294,7 @@ class PipelineRun:
                         retries,
                     )
         self.pass_seconds["dedup"] = time.perf_counter() - t0
-        staging.paths.done("dedup").write_json(stats)
+        staging.paths.mark("dedup", stats)
         return stats
 
     def _dedup_pass(self, staging: RunStaging, alive: list[dict]) -> dict:
@@ -350,7 +352,7 @@ class PipelineRun:
                     .options(name="train_tokenizer")
                     .remote(staging.paths, items, self.config)
                 )
-            staging.paths.done("tokenizer").write_json({"seconds": time.perf_counter() - t0})
+            staging.paths.mark("tokenizer", {"seconds": time.perf_counter() - t0})
         self.pass_seconds["tokenizer"] = time.perf_counter() - t0
         return tokenizer_from_json(path.read_text()), staging.read_marker("tokenizer")["seconds"]
 
@@ -554,7 +556,7 @@ class PipelineRun:
 
 def _pack_and_mark(paths: RunPaths, name: str, pieces: list[dict], schema: pa.Schema) -> dict:
     entry = pack_shard(paths.root, paths.pieces_dir, pieces, name, schema)
-    paths.done(f"pack-{name}").write_json(entry)
+    paths.mark(f"pack-{name}", entry)
     return {"name": name, "entry": entry}
 
 

@@ -201,7 +201,7 @@ def filter_file(
         # The kept documents' perplexities, for the run's head / middle / tail cut-offs (empty with the stage off).
         "perplexity_histogram": summary_histogram(perplexities),
     }
-    paths.done(f"filter-{index:05d}").write_json(summary)
+    paths.mark(f"filter-{index:05d}", summary)
     return {"summary": json.dumps(summary)}
 
 
@@ -396,5 +396,5 @@ def tokenize_file(
         "drops": [[stage, reason, n] for (stage, reason), n in sorted(drops.items())],
         "seconds": dict(seconds),
     }
-    paths.done(f"tokenize-{index:05d}").write_json(summary)
+    paths.mark(f"tokenize-{index:05d}", summary)
     return {"summary": json.dumps(summary)}
