@@ -3,12 +3,13 @@
     .venv/bin/python bench/serve_bench.py                        # 3 rounds, concurrency 1, 8, 32 (see --help)
     .venv/bin/python bench/serve_bench.py --export DIR --json out.json
     .venv/bin/python bench/serve_bench.py --smoke                # smallest setting (tests/test_bench_smoke.py)
+    .venv/bin/python bench/serve_bench.py --defaults             # each side at its own defaults, out of the box
 
 A measurement, not a test: it asserts nothing about speed (it exits 1 only when a side failed to start or a request
 failed, since such a row measures nothing). Three sides, each serving the same Hugging Face directory (the one
 ``serve.model_dir.hf_model_dir`` makes from the export, converted once before any side starts) with the same engine
 settings (dtype float32, ``max_num_seqs``, ``enforce_eager``, ``VLLM_CPU_KVCACHE_SPACE``, the same process
-environment):
+environment), or with ``--defaults`` each at its own defaults for the batch and the concurrency a replica takes:
 
 - ``raylm``: ``serve.app.build_app`` (raylm's ingress with its caps, accounting and metrics, in front of
   ``ExportServer``), one replica, ``max_batch_size`` = ``max_num_seqs``, ``replica_cpus`` CPUs, ``engine_kwargs``
@@ -181,11 +182,11 @@ def make_prompts(hf_dir: Path, tokens: int) -> list[str]:
 class Settings:
     hf_dir: Path
     export: Path
-    max_num_seqs: int
+    max_num_seqs: int | None  # None (--defaults): each side's own default
     enforce_eager: bool
     kv_cache_gib: int
     replica_cpus: float
-    max_ongoing: int
+    max_ongoing: int | None  # None (--defaults): each Ray side's own default
     env: dict[str, str]  # every side
     raylm_env: dict[str, str]  # the raylm side only
     start_timeout_s: float
@@ -203,8 +204,8 @@ def ray_side_spec(side: str, s: Settings, port: int, sd_dir: Path) -> dict[str, 
             "model": str(s.export),
             "model_name": MODEL_NAME,
             "num_replicas": 1,
-            "max_batch_size": s.max_num_seqs,
-            "max_ongoing_requests": s.max_ongoing,
+            **({"max_batch_size": s.max_num_seqs} if s.max_num_seqs else {}),
+            **({"max_ongoing_requests": s.max_ongoing} if s.max_ongoing else {}),
             "replica_cpus": s.replica_cpus,
             "cpu_kv_cache_gib": s.kv_cache_gib,
             "engine_kwargs": engine_kwargs(s),
@@ -213,12 +214,12 @@ def ray_side_spec(side: str, s: Settings, port: int, sd_dir: Path) -> dict[str, 
     else:  # plain, plain-direct: serve.app.llm_config's layout, without raylm
         spec["llm_config"] = {
             "model_loading_config": {"model_id": MODEL_NAME, "model_source": str(s.hf_dir)},
-            "engine_kwargs": {**engine_kwargs(s), "max_num_seqs": s.max_num_seqs},
+            "engine_kwargs": {**engine_kwargs(s), **({"max_num_seqs": s.max_num_seqs} if s.max_num_seqs else {})},
             "placement_group_config": {"bundles": [{"CPU": s.replica_cpus}]},
             "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib)}},
             "deployment_config": {
                 "num_replicas": 1,
-                "max_ongoing_requests": s.max_ongoing,
+                **({"max_ongoing_requests": s.max_ongoing} if s.max_ongoing else {}),
                 "ray_actor_options": {"num_cpus": 0},
             },
             "log_engine_metrics": True,
@@ -287,9 +288,10 @@ def start_side(side: str, s: Settings, work: Path, round_: int) -> Running:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(s.hf_dir), "--served-model-name", MODEL_NAME,
-            "--dtype", "float32", "--max-num-seqs", str(s.max_num_seqs),
-            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
+        if s.max_num_seqs:
+            cmd += ["--max-num-seqs", str(s.max_num_seqs)]
         if s.enforce_eager:
             cmd.append("--enforce-eager")
     else:
@@ -625,10 +627,10 @@ def report(data: dict[str, Any]) -> str:
         f"{cfg['prompt_tokens']}-token windows of cc_net prose ({model['prompts']} distinct, the same on every "
         f"side); closed-loop clients at concurrency {', '.join(map(str, levels))}, "
         f"{', '.join(str(n) for n in cfg['requests'])} requests per level; {cfg['warmup']} warm-up requests.",
-        f"Engine, every side: dtype float32, max_num_seqs {cfg['max_num_seqs']}, enforce_eager "
-        f"{cfg['enforce_eager']}, VLLM_CPU_KVCACHE_SPACE {cfg['kv_cache_gib']} GiB; Ray sides: one replica, "
-        f"placement bundle {{CPU: {cfg['replica_cpus']:g}}}, replica and ingress actors num_cpus 0, "
-        f"max_ongoing_requests {cfg['max_ongoing']}."
+        f"Engine, every side: dtype float32, max_num_seqs {cfg['max_num_seqs'] or 'each side its default'}, "
+        f"enforce_eager {cfg['enforce_eager']}, VLLM_CPU_KVCACHE_SPACE {cfg['kv_cache_gib']} GiB; Ray sides: one "
+        f"replica, placement bundle {{CPU: {cfg['replica_cpus']:g}}}, replica and ingress actors num_cpus 0, "
+        f"max_ongoing_requests {cfg['max_ongoing'] or 'each side its default'}."
         + (f" Env, every side: {cfg['env']}." if cfg["env"] else "")
         + (f" Env, raylm only: {cfg['raylm_env']}." if cfg["raylm_env"] else ""),
         f"Machine: {data['machine']['cpus']} CPUs, load average {data['machine']['load_start']} at the start, "
@@ -799,6 +801,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, help="untimed requests after each start (default 4)")
     parser.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs, raylm's max_batch_size (default 32)")
     parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="every side at its own defaults instead of shared settings: no max_num_seqs (vLLM picks it per device; "
+        "raylm leaves it to vLLM), no max_ongoing_requests (each Ray side's default); what a user gets out of the box",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -846,6 +854,10 @@ def main(argv: list[str] | None = None) -> int:
         # plain app is the raylm side's path with another app, and a third engine start would cost the suite ~45 s.
         "sides": "raylm,raw" if smoke else ",".join(DEFAULT_SIDES),
     }
+    if args.defaults:
+        if args.max_num_seqs is not None:
+            parser.error("--defaults leaves max_num_seqs to each side: drop --max-num-seqs")
+        defaults.pop("max_num_seqs")
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -901,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager,
         kv_cache_gib=args.kv_cache_gib,
         replica_cpus=args.replica_cpus,
-        max_ongoing=max(2 * max(levels), args.max_num_seqs, args.warmup),
+        max_ongoing=None if args.defaults else max(2 * max(levels), args.max_num_seqs, args.warmup),
         env=env,
         raylm_env=raylm_env,
         start_timeout_s=args.start_timeout,
@@ -916,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": args.prompt_tokens,
             "warmup": args.warmup,
             "max_num_seqs": args.max_num_seqs,
+            "defaults": args.defaults,
             "enforce_eager": args.enforce_eager,
             "kv_cache_gib": args.kv_cache_gib,
             "replica_cpus": args.replica_cpus,

@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Defaults come from serve/config.py (also what build_app and serve_config.yaml fall back to).
     batch, ongoing = DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_ONGOING_REQUESTS
     parser.add_argument(
-        "--max-batch-size", type=int, default=batch, help="sequences vLLM decodes together per replica (%(default)s)"
+        "--max-batch-size",
+        type=int,
+        default=batch,
+        help="sequences vLLM decodes together per replica (its max_num_seqs; default: vLLM's own for the device)",
     )
     parser.add_argument("--max-ongoing-requests", type=int, default=ongoing, help="requests per replica (%(default)s)")
     parser.add_argument("--num-replicas", type=int, help="fixed replica count (default: autoscale 1..2)")

@@ -97,6 +97,9 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Unknown routes and wrong methods get the same error shape as everything else.
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", whose cause says which
+        cause = exc.__cause__
+        return error_response(APIError(400, f"the body is not valid UTF-8 JSON: byte {cause.start} ({cause.reason})"))
     return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
 
@@ -117,6 +120,9 @@ async def _engine_client_error(request: Request, exc: VLLMClientError) -> JSONRe
 async def _route_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     # FastAPI's own parameter validation (path and query parameters) answers 422 in its own shape otherwise.
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # the body as a whole: its location is a character, not a field
+        why = first.get("ctx", {}).get("error", "invalid")
+        return error_response(APIError(400, f"the body is not valid JSON: {why} at character {first['loc'][-1]}"))
     param = str(first.get("loc", ("", ""))[-1]) or None
     return error_response(APIError(400, f"{param}: {first.get('msg', 'invalid request')}", param=param))
 

@@ -32,7 +32,7 @@ def llm_config(opts: AppArgs, export: ExportInfo) -> LLMConfig:
     engine_kwargs = {
         "dtype": "float32",  # the export's precision (serve/config.py: engine_kwargs); overridable
         **opts.engine_kwargs,
-        "max_num_seqs": opts.max_batch_size,
+        **({"max_num_seqs": opts.max_batch_size} if opts.max_batch_size else {}),  # else vLLM's default for the device
         "chat_template": chat_template_jinja(opts.chat_message_template, opts.chat_assistant_prefix),
         # Each non-streamed response's system_fingerprint names the weights that answered it, the export's lineage
         # id: during a rolling update the ingress is already new while old engine replicas still answer (the canary

@@ -18,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ground.cost import CostConfig
 from ground.scrape_targets import DEFAULT_SD_DIR
 
-# Sequences decoded together per replica (vLLM's max_num_seqs); vLLM queues the rest.
-DEFAULT_MAX_BATCH_SIZE = 8
+# Sequences decoded together per replica (vLLM's max_num_seqs); vLLM queues the rest. None: vLLM's own default, which
+# it sets per device. A fixed small batch queued most of a loaded replica's requests behind it (serve_bench.py's
+# defaults row), and the requests a replica takes at all are capped by max_ongoing_requests below.
+DEFAULT_MAX_BATCH_SIZE: int | None = None
 # KV cache of a replica on a CPU node, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; a GPU replica sizes its cache from
 # engine_kwargs.gpu_memory_utilization instead). 1 GiB holds ~21k positions of the demo model (6 layers x 384 wide,
 # fp32: 2 x 6 x 384 x 4 bytes = 18 KiB a position): every slot of a full batch at full context, many times over.
@@ -51,8 +53,9 @@ DEFAULT_CHAT_STOP: tuple[str, ...] = ("\nuser:", "\nassistant:", "\nsystem:")
 DEFAULT_AUTOSCALING: dict[str, Any] = {
     "min_replicas": 1,
     "max_replicas": 2,
-    # About one full batch per replica: beyond that, requests only queue inside the engine.
-    "target_ongoing_requests": DEFAULT_MAX_BATCH_SIZE,
+    # Requests in flight per replica past which Serve adds one (up to max_replicas): a replica decodes more at once,
+    # but every stream's tokens come slower as its batch grows, so a second replica is worth having well before then.
+    "target_ongoing_requests": 8,
     "upscale_delay_s": 10,
     "downscale_delay_s": 120,
 }
@@ -114,7 +117,7 @@ class AppArgs(BaseModel):
 
     model: str
     model_name: str | None = None
-    max_batch_size: int = Field(DEFAULT_MAX_BATCH_SIZE, ge=1)
+    max_batch_size: int | None = Field(DEFAULT_MAX_BATCH_SIZE, ge=1)  # None: vLLM's max_num_seqs for the device
     max_ongoing_requests: int | None = Field(None, ge=1)  # None: the deployment's DEFAULT_MAX_ONGOING_REQUESTS
     num_replicas: int | None = Field(None, ge=1)  # fixed replica count; otherwise the autoscaling config applies
     # At most this many replicas on one node (Serve's max_replicas_per_node): 1 spreads the replicas over nodes, so

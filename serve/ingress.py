@@ -164,6 +164,7 @@ class RayLMIngress(OpenAiIngress):
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:  # type: ignore[override]
         arrival = time.monotonic()
+        _check_request(body)
         self._check_model(body.model)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt else [body.prompt]
         if isinstance(prompts[0], int):  # one prompt of token ids
@@ -176,6 +177,9 @@ class RayLMIngress(OpenAiIngress):
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:  # type: ignore[override]
         arrival = time.monotonic()
+        _check_request(body)
+        if not body.messages:
+            raise APIError(400, "messages is empty: a chat request needs at least one message", param="messages")
         self._check_model(body.model)
         self._check_choices(1, body.n or 1)
         self._check_chars(sum(_content_chars(m.get("content")) for m in body.messages), "messages")
@@ -352,6 +356,42 @@ def engine_loss_as_503() -> Iterator[None]:
     except RayActorError as exc:  # ActorDiedError, ActorUnavailableError: the engine replica went away
         log.warning("the engine replica of a request was lost: %s", exc)
         raise replica_lost() from exc
+
+
+def _check_request(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse, with a 400 that names the field, what the engine would otherwise fail on or silently ignore: an
+    argument the API does not know (vLLM's request models take any and drop it with a log line, so a misspelt
+    ``max_token`` would change nothing without a word; OpenAI refuses it), and text that is not valid Unicode (JSON
+    lets a string carry a lone surrogate, ``"\\ud800"``, which no UTF-8 encoder takes: the engine's tokenizer raised
+    on it and the client got a 500)."""
+    unknown = sorted(body.model_extra or {})
+    if unknown:
+        raise APIError(
+            400, f"unrecognized request argument(s): {', '.join(unknown)}", param=unknown[0], code="unknown_parameter"
+        )
+    for field in ("prompt", "messages", "stop", "suffix"):
+        if (found := _lone_surrogate(getattr(body, field, None), field)) is not None:
+            where, at = found
+            raise APIError(
+                400, f"{where} is not valid Unicode text: a lone surrogate at character {at}", param=where,
+                code="invalid_value",
+            )  # fmt: skip
+
+
+def _lone_surrogate(value: Any, where: str) -> tuple[str, int] | None:
+    """(the field's path, the character's index) of the first string under ``value`` that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return where, exc.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _content_chars(content: Any) -> int:

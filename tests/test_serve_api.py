@@ -575,6 +575,23 @@ def test_bad_inputs_get_openai_errors_and_the_replicas_survive(base_url: str) ->
         assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)
         error = resp.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], (path, body, error)
+    # Each named: the body as sent (json.dumps writes a lone surrogate as its \\u escape, as any JSON encoder may), the
+    # field the error must name, a word its message must say.
+    named = [
+        ("/v1/completions", json.dumps({"prompt": "a\ud800b", "max_tokens": 2}).encode(), "prompt", "Unicode"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x\udfff"}]}).encode(),
+         "messages[0].content", "Unicode"),
+        ("/v1/completions", json.dumps({"prompt": "x", "max_token": 2}).encode(), "max_token", "unrecognized"),
+        ("/v1/completions", json.dumps({"prompt": "x", "n": MAX_CHOICES + 1}).encode(), "n", "at most"),
+        ("/v1/chat/completions", json.dumps({"messages": []}).encode(), "messages", "empty"),
+        ("/v1/completions", b'{"prompt": "a\xff\xfeb", "max_tokens": 2}', None, "JSON"),  # not UTF-8
+        ("/v1/completions", b"prompt=hello", None, "JSON"),  # not JSON
+    ]  # fmt: skip
+    for path, raw, param, word in named:
+        resp = requests.post(f"{base_url}{path}", data=raw, headers=auth, timeout=60)
+        assert 400 <= resp.status_code < 500, (path, raw, resp.status_code, resp.text)
+        error = resp.json()["error"]
+        assert (param is None or error["param"] == param) and word in error["message"], (path, raw, error)
     assert requests.get(f"{base_url}/health", timeout=10).status_code == 200
     assert post(base_url, prompt="fine", max_tokens=2).status_code == 200
 

@@ -163,6 +163,8 @@ def test_the_engine_config_carries_what_the_app_args_ask_for() -> None:
     assert "{{ bos_token }}" in cpu.engine_kwargs["chat_template"]
     assert cpu.placement_group_config["bundles"] == [{"CPU": 2.0}]
     assert cpu.runtime_env["env_vars"] == {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    # Unless asked, the batch is vLLM's own default for the device, not a number of raylm's.
+    assert "max_num_seqs" not in llm_config(AppArgs(model="m"), export).engine_kwargs
     assert cpu.experimental_configs == {"stream_batching_interval_ms": 10.0}
     assert cpu.deployment_config["autoscaling_config"] == serve_defaults.DEFAULT_AUTOSCALING
     gpu = llm_config(AppArgs(model="m", replica_gpus=2, num_replicas=3, engine_kwargs={"dtype": "bfloat16"}), export)

@@ -126,3 +126,33 @@ def test_work_that_answers_before_the_cut_is_returned_and_work_past_it_is_cancel
         return slow.is_set()
 
     assert run(scenario()) is True
+
+
+def test_a_client_gone_before_its_streams_first_chunk_leaves_nothing_in_flight() -> None:
+    """The request was admitted and its engine call is still waiting for the first chunk when the client disconnects:
+    Starlette cancels the handler, and the account, closed on the way out, takes the request out of flight (a drain
+    would otherwise wait for it until its deadline)."""
+
+    async def scenario():
+        drain, never = ReplicaDrain("app", "replica"), asyncio.Event()
+
+        async def receive():
+            raise AssertionError("no ASGI traffic here")
+
+        async def send(message):
+            raise AssertionError("no ASGI traffic here")
+
+        async def handler():
+            async with RequestAccount(receive, send, drain=drain) as account:
+                account.admit()
+                await account.until_cut(never.wait())  # the engine has not answered yet
+
+        call = asyncio.ensure_future(handler())
+        while drain.counts.in_flight == 0:
+            await asyncio.sleep(0)
+        call.cancel()  # the client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return drain.counts
+
+    assert run(scenario()) == ReplicaCounts(in_flight=0)
