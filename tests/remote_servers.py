@@ -1,7 +1,8 @@
 """Real remote endpoints on 127.0.0.1 for tests: moto's standalone S3 server, and an HTTP server (a directory, or
 a proxy in front of another server such as moto) that answers Range requests and fails on purpose.
 
-* :func:`moto_server` / :func:`use_s3_endpoint` / :func:`upload_dir`, or all three at once :func:`s3_prefix`.
+* :func:`moto_server` / :func:`use_s3_endpoint` / :func:`upload_dir`, or all three at once :func:`s3_prefix`; a
+  server with one bucket made: :func:`s3_bucket`.
 * :func:`http_server` serves a directory with Range support; :func:`http_proxy` relays to an upstream server;
   both take a :class:`FaultPlan` (the first K requests per path get an error status, then the first R GETs per
   path reset the connection after M bytes of body) and record every request in ``server.log``.
@@ -63,6 +64,15 @@ def use_s3_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, region: str 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
     monkeypatch.setenv("AWS_REGION", region)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probing for credentials
+
+
+@contextmanager
+def s3_bucket(bucket: str) -> Iterator[Any]:
+    """moto's S3 server with ``bucket`` made, and this process's S3 clients pointed at it for the block (a
+    module-scoped fixture's body); yields a boto3 client of the server."""
+    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        use_s3_endpoint(env, endpoint)
+        yield make_bucket(endpoint, bucket)
 
 
 def make_bucket(endpoint: str, bucket: str) -> Any:

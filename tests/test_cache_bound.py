@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import make_bucket, moto_server, use_s3_endpoint
+from remote_servers import s3_bucket
 
 from ground.cache import CACHE_ENV, MAX_GB_ENV, CacheBoundError, fetch_published, fetch_verified, release
 from ground.storage import Location
@@ -32,9 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
-        use_s3_endpoint(env, endpoint)
-        yield make_bucket(endpoint, BUCKET)
+    with s3_bucket(BUCKET) as client:
+        yield client
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import make_bucket, moto_server, use_s3_endpoint
+from remote_servers import s3_bucket
 
 from cluster.run import Chain, StageFailed
 from cluster.stages import Stage, keyed, lease_file
@@ -61,9 +61,8 @@ def kill(holder: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
-        use_s3_endpoint(env, endpoint)
-        yield make_bucket(endpoint, BUCKET)
+    with s3_bucket(BUCKET) as client:
+        yield client
 
 
 def test_a_local_output_held_by_a_live_run_is_refused_naming_it_and_freed_by_its_death(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import make_bucket, moto_server, use_s3_endpoint
+from remote_servers import s3_bucket
 
 from ground import storage
 from ground.storage import COPY_CHUNK, TEMP_MARK, Location, move_aside, remove_partial_writes
@@ -45,9 +45,8 @@ class Root:
 
 @pytest.fixture(scope="module")
 def s3_client() -> Iterator[Any]:
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
-        use_s3_endpoint(env, endpoint)
-        yield make_bucket(endpoint, BUCKET)
+    with s3_bucket(BUCKET) as client:
+        yield client
 
 
 def s3_root(client: Any) -> Root:
