@@ -13,7 +13,8 @@ How it is exclusive depends on the store, since neither has a lock that the othe
 * **S3**: conditional writes (``If-None-Match: *`` creates the lease only where there is none; ``If-Match`` renews,
   takes over or deletes only the version its caller last saw), through boto3, as pyarrow's filesystem has none. A
   killed holder cannot delete its lease, so the holder renews it every ``heartbeat_s`` and a lease not renewed for
-  ``ttl_s`` is taken over (conditionally: of two takers, one wins).
+  ``ttl_s`` is taken over (conditionally: of two takers, one wins); so is, at once, one whose holder was a process
+  of this host that is gone (a driver SIGKILLed and run again).
 * Any other store (``gs://``) has no conditional write that raylm can reach: no lease is taken, and a warning says
   that two runs on that root would race.
 """
@@ -64,6 +65,21 @@ class Holder:
             return cls(**json.loads(data))
         except (ValueError, TypeError):  # empty (a local lease file being written) or not ours
             return None
+
+    def gone(self) -> bool:
+        """Whether this holder is known to be dead: a process of this host that no longer exists. A driver
+        SIGKILLed and run again (``ray job submit`` runs both on the head) takes its lease over at once rather than
+        after the TTL; a holder on another host is known only by its renewals. A pid reused since errs on the safe
+        side (alive)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's process of that pid: alive
+            return False
+        return False
 
     def says(self) -> str:
         return f"host {self.host}, pid {self.pid}, started {self.started}"
@@ -161,9 +177,9 @@ class Lease:
             except client.exceptions.NoSuchKey:
                 continue
             holder = Holder.from_json(current["Body"].read())
-            if holder is not None and time.time() - holder.renewed < self.ttl_s:
+            if holder is not None and time.time() - holder.renewed < self.ttl_s and not holder.gone():
                 raise LeaseHeld(self.target, holder)
-            try:  # stale: its holder died; take it over, unless another taker did first
+            try:  # its holder died: take it over, unless another taker did first
                 self._etag = client.put_object(
                     Bucket=bucket, Key=key, Body=self.holder.to_json(), IfMatch=current["ETag"]
                 )["ETag"]

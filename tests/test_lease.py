@@ -1,8 +1,9 @@
 """Two runs on one root never write one output at once (ground/lease.py, taken by cluster.run's ``Chain.stage``).
 
 The holder is a real second process. Locally its flock dies with it; on moto's S3 server its lease is an object
-written with conditional requests, renewed while the holder lives and taken over once it has not been renewed for
-the lease's TTL (short here, so the test waits seconds).
+written with conditional requests, renewed while the holder lives, taken over at once when the holder was a process
+of this host that is gone, and otherwise once it has not been renewed for the lease's TTL (short here, so the test
+waits seconds).
 """
 
 from __future__ import annotations
@@ -83,22 +84,35 @@ def test_a_local_output_held_by_a_live_run_is_refused_naming_it_and_freed_by_its
 def test_an_s3_lease_is_renewed_while_its_holder_lives_and_taken_over_after_its_death(
     s3: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A live holder keeps its lease past the TTL by renewing it. Once it is SIGKILLed, a run on its host takes the
+    lease over at once (the holder's pid is gone); a holder on another host is known only by its renewals, so its
+    lease is taken over once it has gone the TTL without one."""
     target = Location(f"s3://{BUCKET}/root/train/run")
     lease = Location(f"s3://{BUCKET}/root/.leases/train/run")
+    key = "root/.leases/train/run"
+
+    def stored_pid() -> int:
+        return int(json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())["pid"])
+
     holder = hold(target, lease)
     time.sleep(TTL_S + 1)  # past the TTL: only the holder's renewals keep it
     with pytest.raises(LeaseHeld, match=f"pid {holder.pid}"):
         Lease(target, lease, TTL_S, HEARTBEAT_S).__enter__()
     kill(holder)
-    with pytest.raises(LeaseHeld, match=f"pid {holder.pid}"):  # its last renewal is still fresh
-        Lease(target, lease, TTL_S, HEARTBEAT_S).__enter__()
-    time.sleep(TTL_S + 1)
     with caplog.at_level(logging.WARNING, logger="ground.lease"), Lease(target, lease, TTL_S, HEARTBEAT_S) as mine:
-        stored = s3.get_object(Bucket=BUCKET, Key="root/.leases/train/run")["Body"].read()
-        assert json.loads(stored)["pid"] == mine.holder.pid
+        assert stored_pid() == mine.holder.pid
     took_over = [r.getMessage() for r in caplog.records if "took over the lease" in r.getMessage()]
     assert took_over and f"pid {holder.pid}" in took_over[0], took_over
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix="root/.leases/")  # released: deleted
+
+    # A holder on another node, which stopped renewing (its node was lost): refused until its lease is TTL old.
+    elsewhere = {"host": "another-node", "pid": 1, "started": "2026-12-01T00:00:00+00:00", "token": "t"}
+    s3.put_object(Bucket=BUCKET, Key=key, Body=json.dumps({**elsewhere, "renewed": time.time()}).encode())
+    with pytest.raises(LeaseHeld, match="host another-node, pid 1, started 2026-12-01"):
+        Lease(target, lease, TTL_S, HEARTBEAT_S).__enter__()
+    time.sleep(TTL_S + 1)
+    with Lease(target, lease, TTL_S, HEARTBEAT_S) as mine:
+        assert stored_pid() == mine.holder.pid
 
 
 class Probe(Stage):

@@ -204,7 +204,8 @@ def test_each_shard_is_downloaded_once_per_node_and_cached_once(runs: Runs, clus
     manifest = json.loads((token_dir / "manifest.json").read_text())
     for shard in manifest["shards"]:
         entry = cluster.cache / "sha256" / shard["sha256"]
-        assert [p.name for p in entry.iterdir() if p.suffix != ".lock"] == [Path(shard["path"]).name]
+        # Beside the file: its download lock and its hold file (ground/cache.py), empty.
+        assert [p.name for p in entry.iterdir() if p.suffix not in {".lock", ".hold"}] == [Path(shard["path"]).name]
         assert hashlib.sha256((entry / Path(shard["path"]).name).read_bytes()).hexdigest() == shard["sha256"]
     assert not [p for p in cluster.cache.rglob("*") if ".tmp-" in p.name]
 
