@@ -168,7 +168,7 @@ def measure(data_dir: Path, out: Path, steps: int, rounds: int, prefetch: int, f
         return [d / p for d, p in zip(delayed.steps_per_s, plain.steps_per_s, strict=True)]
 
     return {
-        "params": variants[0].trainer.gpt.num_params(exclude_position_embeddings=False),
+        "params": variants[0].trainer.gpt.num_params(exclude_lookups=False),
         "tokens_per_step": variants[0].trainer.tokens_per_step,
         "reads_per_step": reads_per_step,
         "compute_s": compute_s,

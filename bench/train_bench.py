@@ -125,7 +125,7 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
         ours.append(our_loop(trainer, steps))
         bare.append(bare_loop(bare_model, tokens, micro, steps, config.optimizer.lr))
     return {
-        "params": trainer.gpt.num_params(exclude_position_embeddings=False),
+        "params": trainer.gpt.num_params(exclude_lookups=False),
         "tokens_per_step": micro * config.model.block_size,
         "rounds": rounds,
         "ours": statistics.median(ours),

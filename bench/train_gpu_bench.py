@@ -352,7 +352,7 @@ def main() -> None:
             "preset": args.preset,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "torch": torch.__version__,
-            "params": GPT(config.model).num_params(exclude_position_embeddings=False),
+            "params": GPT(config.model).num_params(exclude_lookups=False),
             "flops_per_token": flops_per_token(GPT(config.model)),
             "tokens_per_step": config.data.global_batch_size * config.model.block_size,
             "precision": precision,

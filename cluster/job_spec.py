@@ -16,10 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.model_shape import gpt_param_count
+from cluster.model_shape import ArchOptions, gpt_param_count
 from ground.gpus import GPUSpec, lookup_gpu
 from ground.overrides import apply_overrides, read_yaml
 from train.config import Strategy
+from train.model import Arch
 
 Precision = Literal["bf16", "fp16"]
 FsdpSharding = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
@@ -40,7 +41,11 @@ class ModelSpec(_Strict):
     n_head: int | None = Field(None, gt=0)
     vocab_size: int | None = Field(None, gt=0)
     seq_len: int | None = Field(None, gt=0, description="context length (block_size)")
-    bias: bool = True
+    arch: Arch = "gpt2"
+    bias: bool | None = Field(None, description="None: the arch's own (gpt2 has biases, llama none)")
+    n_kv_head: int | None = Field(None, gt=0, description="llama: key/value heads (grouped-query attention)")
+    ffn_hidden: int | None = Field(None, gt=0, description="llama: the SwiGLU width")
+    tie_embeddings: bool = True
 
     @model_validator(mode="after")
     def _size_known(self) -> ModelSpec:
@@ -49,7 +54,14 @@ class ModelSpec(_Strict):
             raise ValueError("model: give n_params, or the full shape n_layer, n_embd, n_head, vocab_size and seq_len")
         if self.n_embd is not None and self.n_head is not None and self.n_embd % self.n_head:
             raise ValueError(f"model: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_kv_head is not None and self.n_head is None:
+            raise ValueError("model: n_kv_head needs n_head (the query heads it groups)")
         return self
+
+    @property
+    def options(self) -> ArchOptions:
+        """The arch's settings besides the size (cluster.model_shape): what the trainer builds for this shape."""
+        return ArchOptions(self.arch, self.n_head or 1, self.n_kv_head, self.ffn_hidden, self.tie_embeddings)
 
     @property
     def has_shape(self) -> bool:
@@ -60,11 +72,12 @@ class ModelSpec(_Strict):
         if self.n_params is not None:
             return self.n_params
         assert self.n_layer and self.n_embd and self.vocab_size and self.seq_len  # checked above
-        return float(gpt_param_count(self.n_layer, self.n_embd, self.vocab_size, self.seq_len, self.bias))
+        shape = (self.n_layer, self.n_embd, self.vocab_size, self.seq_len)
+        return float(gpt_param_count(*shape, self.bias, self.options))
 
     @property
     def params_source(self) -> str:
-        return "given" if self.n_params is not None else "computed from shape (GPT-2 layout)"
+        return "given" if self.n_params is not None else f"computed from shape ({self.arch} layout)"
 
 
 class TrainingSpec(_Strict):

@@ -173,11 +173,11 @@ def build_plan(spec: JobSpec, mfu: float | None = None) -> Plan:
 def _shape_note(spec: JobSpec, notes: list[str]) -> None:
     m = spec.model
     if m.n_params is not None and m.n_layer and m.n_embd and m.vocab_size and m.seq_len:
-        from_shape = gpt_param_count(m.n_layer, m.n_embd, m.vocab_size, m.seq_len, m.bias)
+        from_shape = gpt_param_count(m.n_layer, m.n_embd, m.vocab_size, m.seq_len, m.bias, m.options)
         if abs(from_shape - m.n_params) > 0.1 * m.n_params:
             notes.append(
-                f"n_params {m.n_params:.3g} differs from the GPT-2-layout count {from_shape:.3g} for this shape "
-                "(e.g. SwiGLU/GQA); n_params is used for compute and states, the shape for activations"
+                f"n_params {m.n_params:.3g} differs from the {m.arch}-layout count {from_shape:.3g} for this shape; "
+                "n_params is used for compute and states, the shape for activations"
             )
 
 
@@ -250,6 +250,11 @@ def _memory_plan(spec: JobSpec, n_params: float, seq_len: int, notes: list[str])
                 seq_len, t.micro_batch, n_embd, n_head, par.tp, sp, recompute, par.cp
             )
 
+        if m.arch != "gpt2":
+            notes.append(
+                "activations use the GPT block's per-layer count (Korthikanti et al. 2022), an estimate for "
+                f"{m.arch}'s SwiGLU MLP and grouped-query attention"
+            )
         per_layer = layer_bytes(t.activation_checkpointing)
         per_layer_none = layer_bytes("none")
         per_layer_full = layer_bytes("full")
@@ -270,7 +275,7 @@ def _memory_plan(spec: JobSpec, n_params: float, seq_len: int, notes: list[str])
         else:
             activations = first
         if zero == 3:
-            gather = memory.fsdp_gather_bytes(gpt_block_param_count(m.n_embd, m.bias), par.tp)
+            gather = memory.fsdp_gather_bytes(gpt_block_param_count(m.n_embd, m.bias, m.options), par.tp)
     else:
         notes.append("activations not estimated (no n_layer/n_embd/n_head): the fit check covers model states only")
     total = states.total + (activations or 0.0) + gather
@@ -386,6 +391,6 @@ def _trainer_plan(spec: JobSpec) -> TrainerPlan | None:
         strategy=tr.strategy,
         world_size=tr.world_size,
         state_bytes_per_rank=predict_trainer_state_bytes(
-            m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size, m.bias, tr.strategy, tr.world_size
+            m.n_layer, m.n_head, m.n_embd, m.seq_len, m.vocab_size, m.bias, tr.strategy, tr.world_size, m.options
         ),
     )

@@ -324,7 +324,9 @@ def plan_verdict(job: Job) -> tuple[str, str]:
     planned = {
         "name": job.source,
         "model": {"n_layer": model.n_layer, "n_embd": model.n_embd, "n_head": model.n_head,
-                  "vocab_size": planned_vocab_size(job), "seq_len": model.block_size, "bias": model.bias},
+                  "vocab_size": planned_vocab_size(job), "seq_len": model.block_size, "bias": model.bias,
+                  "arch": model.arch, "n_kv_head": model.n_kv_head, "ffn_hidden": model.ffn_hidden,
+                  "tie_embeddings": model.tie_embeddings},
         "training": {"tokens": float(train.steps * data.global_batch_size * model.block_size),
                      "micro_batch": data.micro_batch_size, "grad_accum": micro_steps,
                      "zero_stage": zero,

@@ -19,9 +19,10 @@ Strategies:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from cluster.model_shape import gpt_param_shapes
+from cluster.model_shape import GPT2, ArchOptions, gpt_param_shapes
 from train.config import STRATEGIES, Strategy
 
 PARAM_BYTES = 4  # fp32 weights
@@ -43,14 +44,15 @@ def predict_trainer_state_bytes(
     n_embd: int,
     block_size: int,
     vocab_size: int,
-    bias: bool,
+    bias: bool | None,
     strategy: Strategy,
     world_size: int,
+    options: ArchOptions | None = None,
 ) -> int:
     """Per-rank bytes of parameters + gradients + AdamW state for our trainer's GPT (max over ranks).
 
-    `n_head` does not change the parameter count (heads split n_embd), but must divide it, as the model
-    requires.
+    `n_head` must divide n_embd, as the model requires; it changes the parameter count only for a llama block
+    with grouped-query attention (``options``, the arch's settings besides the size; GPT-2's by default).
     """
     if n_embd % n_head != 0:
         raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}")
@@ -62,7 +64,8 @@ def predict_trainer_state_bytes(
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
     shards = world_size if strategy == "fsdp" else 1  # single and DDP hold full replicas
-    shapes = gpt_param_shapes(n_layer, n_embd, vocab_size, block_size, bias)
+    options = dataclasses.replace(options or GPT2, n_head=n_head)
+    shapes = gpt_param_shapes(n_layer, n_embd, vocab_size, block_size, bias, options)
     per_rank_numel = sum(shard_numel(shape, shards) for shape in shapes)
     per_element = PARAM_BYTES + GRAD_BYTES + ADAMW_STATE_BYTES
     return per_rank_numel * per_element + len(shapes) * ADAMW_STEP_BYTES

@@ -352,6 +352,8 @@ def test_a_checkpoints_model_config_is_read_as_written_then() -> None:
     assert model_changes(before_activation, GPTConfig(n_layer=2, vocab_size=512, activation="gelu")) == {
         "activation": ("gelu_tanh", "gelu")
     }
+    llama = model_changes(before_activation, GPTConfig(n_layer=2, vocab_size=512, arch="llama"))
+    assert llama["arch"] == ("gpt2", "llama") and llama["bias"] == (True, False)
     assert model_changes({"model": {"n_layer": 2, "vocab_size": 512, "rope": True}}, model) == {
         "rope": (True, "(unknown to this version)")
     }

@@ -1,7 +1,8 @@
-"""`python -m train.export --format hf`: a directory `transformers` loads as GPT-2 without custom code, computing our
-model's function. A real (short) CPU training run on the cc_net sample is exported through the CLI, then loaded
-with AutoModelForCausalLM / AutoTokenizer and compared with our GPT on real text: logits at every position, and
-greedy generation token for token."""
+"""`python -m train.export --format hf`: a directory `transformers` loads without custom code, as GPT-2 (``arch:
+gpt2``) or Llama (``arch: llama``, here with grouped-query attention and an untied output projection), computing our
+model's function. A real (short) CPU training run of each arch on the cc_net sample is exported through the CLI, then
+loaded with AutoModelForCausalLM / AutoTokenizer and compared with our model on real text: logits at every position,
+and greedy generation token for token."""
 
 from __future__ import annotations
 
@@ -30,12 +31,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distrib
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def hf_export(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(run dir, HF export dir) of a 30-step single-process run, exported through the CLI."""
-    root = tmp_path_factory.mktemp("hf")
+ARCHS = {
+    "gpt2": ({}, "GPT2LMHeadModel"),
+    "llama": ({"model.arch": "llama", "model.n_kv_head": 1, "model.tie_embeddings": False}, "LlamaForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def hf_export(
+    request: pytest.FixtureRequest, token_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """(run dir, HF export dir) of a 30-step single-process run of each arch, exported through the CLI."""
+    root = tmp_path_factory.mktemp(f"hf-{request.param}")
     torch.set_num_threads(1)
-    config = load_config(None, tiny_overrides(token_dir, root / "run", steps=30, **{"checkpoint.enabled": False}))
+    arch = ARCHS[request.param][0]
+    config = load_config(
+        None, tiny_overrides(token_dir, root / "run", steps=30, **{"checkpoint.enabled": False}, **arch)
+    )
     check_data(config)
     train_to_completion(Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu"))))
     out = root / "hf"
@@ -53,11 +65,12 @@ def real_text_ids(tokenizer: Tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def test_transformers_loads_it_as_gpt2_without_custom_code(hf_export: tuple[Path, Path]) -> None:
+def test_transformers_loads_it_as_its_arch_without_custom_code(hf_export: tuple[Path, Path]) -> None:
     run, out = hf_export
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    assert type(model).__name__ == "GPT2LMHeadModel"
+    ours, _ = load_final(run)
+    assert type(model).__name__ == ARCHS[ours.config.arch][1]
     assert type(tokenizer).__name__ in {"PreTrainedTokenizerFast", "GPT2TokenizerFast", "TokenizersBackend"}
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert tokenizer.eos_token == EOT and tokenizer.eos_token_id == ours.token_to_id(EOT)

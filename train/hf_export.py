@@ -1,11 +1,17 @@
-"""The model in Hugging Face's layout: a directory ``transformers`` loads as ``GPT2LMHeadModel`` without custom code.
+"""The model in Hugging Face's layout: a directory ``transformers`` loads as ``GPT2LMHeadModel`` (``arch: gpt2``) or
+``LlamaForCausalLM`` (``arch: llama``) without custom code.
 
-Our GPT is architecturally GPT-2: learned absolute positions, pre-LayerNorm blocks with biases (eps 1e-5), a
+``arch: gpt2`` is architecturally GPT-2: learned absolute positions, pre-LayerNorm blocks with biases (eps 1e-5), a
 GELU MLP of width 4·n_embd (tanh-approximated by default, GPT-2's ``gelu_new``; ``model.activation: gelu``, the
 exact form, is GPT2Config's ``gelu``), one fused q/k/v projection split in q, k, v order, and the output projection
 tied to the token embedding. So the conversion is a renaming, plus a transpose: GPT-2 stores its linear layers as
 ``Conv1D`` with weights laid out (in, out) where ``nn.Linear`` has (out, in).
 A model GPT-2 cannot express (``bias: false``) is refused rather than exported wrong.
+
+``arch: llama`` is transformers' Llama: rotary positions on the two halves of each head (``rotate_half``, the layout
+train/model.py uses, so no permutation), RMSNorm, SwiGLU as gate/up/down, grouped-query attention, no biases. The
+conversion splits our fused q/k/v projection into q_proj, k_proj and v_proj; ``rope_theta`` and the context length
+(``block_size``, the final one under a context schedule) go into LlamaConfig.
 
 The export is built with ``transformers`` itself (``GPT2LMHeadModel.save_pretrained``,
 ``PreTrainedTokenizerFast.save_pretrained``, ``GenerationConfig``), so the files are what its loaders expect,
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 
 from ground.formats import EOT
-from train.model import GPT
+from train.model import GPT, NORM_EPS
 
 # Same bound as the export's fp32 probe check: a renaming must not change the function beyond float rounding.
 LOGITS_TOLERANCE = 1e-4
@@ -48,6 +54,8 @@ def _require_transformers() -> Any:
 def check_expressible(model: GPT) -> None:
     """Raise ``HFExportError`` naming each setting GPT-2 has no equivalent for."""
     problems = []
+    if model.config.arch != "gpt2":
+        problems.append(f"arch: {model.config.arch}")
     if not model.config.bias:
         problems.append("bias: false (GPT-2's linear layers and LayerNorms always have biases)")
     if model.wte.weight.shape[0] != model.config.vocab_size:
@@ -82,6 +90,69 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in out.items()}
 
 
+def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our state dict under LlamaForCausalLM's names (both store nn.Linear weights (out, in): no transpose)."""
+    c, ours = model.config, model.state_dict()
+    out = {"model.embed_tokens.weight": ours["wte.weight"], "model.norm.weight": ours["ln_f.weight"]}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = ours["lm_head.weight"]
+    kv_width = c.kv_heads * c.head_dim
+    for i in range(c.n_layer):
+        ours_i, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = ours[ours_i + "attn.qkv.weight"].split((c.n_embd, kv_width, kv_width), dim=0)
+        out |= {
+            theirs + "input_layernorm.weight": ours[ours_i + "ln_1.weight"],
+            theirs + "self_attn.q_proj.weight": q,
+            theirs + "self_attn.k_proj.weight": k,
+            theirs + "self_attn.v_proj.weight": v,
+            theirs + "self_attn.o_proj.weight": ours[ours_i + "attn.proj.weight"],
+            theirs + "post_attention_layernorm.weight": ours[ours_i + "ln_2.weight"],
+            theirs + "mlp.gate_proj.weight": ours[ours_i + "mlp.gate.weight"],
+            theirs + "mlp.up_proj.weight": ours[ours_i + "mlp.up.weight"],
+            theirs + "mlp.down_proj.weight": ours[ours_i + "mlp.proj.weight"],
+        }
+    return {name: tensor.detach().clone().contiguous() for name, tensor in out.items()}
+
+
+def to_llama(model: GPT, eot_id: int) -> Any:
+    """A ``transformers.LlamaForCausalLM`` (eval mode) computing the same function as ``model`` (``arch: llama``)."""
+    transformers = _require_transformers()
+    c = model.config
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.ffn_width,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.kv_heads,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=NORM_EPS,
+        rope_theta=c.rope_theta,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        architectures=["LlamaForCausalLM"],
+    )
+    hf = transformers.LlamaForCausalLM(config)
+    missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)
+    tied = ["lm_head.weight"] if c.tie_embeddings else []
+    if unexpected or [name for name in missing if name not in tied]:
+        raise HFExportError(f"Llama layout mismatch: missing {missing}, unexpected {unexpected}")
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+def to_hf(model: GPT, eot_id: int) -> Any:
+    """The transformers model of ``model``'s arch, computing the same function."""
+    return to_llama(model, eot_id) if model.config.arch == "llama" else to_gpt2(model, eot_id)
+
+
 def to_gpt2(model: GPT, eot_id: int) -> Any:
     """A ``transformers.GPT2LMHeadModel`` (eval mode) computing the same function as ``model``."""
     transformers = _require_transformers()
@@ -94,8 +165,8 @@ def to_gpt2(model: GPT, eot_id: int) -> Any:
         n_layer=c.n_layer,
         n_head=c.n_head,
         n_inner=4 * c.n_embd,
-        activation_function=GPT2_ACTIVATIONS[c.activation],
-        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default, what train/model.py uses
+        activation_function=GPT2_ACTIVATIONS[str(c.activation)],
+        layer_norm_epsilon=NORM_EPS,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -147,10 +218,12 @@ def export_hf(model: GPT, tokenizer_path: Path, out: Path, probe: torch.Tensor) 
     eot_id = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT)
     if eot_id is None:
         raise HFExportError(f"{tokenizer_path} has no {EOT} token")
-    hf = to_gpt2(model, eot_id)
+    hf = to_hf(model, eot_id)
     diff = max_logit_difference(model, hf, probe)
     if diff > LOGITS_TOLERANCE:
-        raise HFExportError(f"the GPT-2 conversion does not reproduce the model's logits: max |Δ| {diff:.3g}")
+        raise HFExportError(
+            f"the {type(hf).__name__} conversion does not reproduce the model's logits: max |Δ| {diff:.3g}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(str(out), safe_serialization=True)
     tokenizer = transformers.PreTrainedTokenizerFast(

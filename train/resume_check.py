@@ -46,7 +46,8 @@ def model_changes(saved_train_config: Mapping[str, Any], model: GPTConfig) -> di
         return {}
     saved = dict(saved_train_config["model"])
     current = dataclasses.asdict(model)
-    defaults = {field.name: field.default for field in dataclasses.fields(GPTConfig)}
+    # A key's default as this version resolves it for the checkpoint's arch (bias and activation depend on it).
+    defaults = dataclasses.asdict(GPTConfig(arch=saved.get("arch", "gpt2")))
     changes: dict[str, tuple[Any, Any]] = {}
     for key in sorted(saved.keys() | current.keys()):
         if key in RESUMABLE_MODEL_KEYS:

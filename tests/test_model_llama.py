@@ -1,0 +1,180 @@
+"""``model.arch: llama`` (train/model.py): each of its parts against the computation written out (rotary positions,
+grouped-query attention, SwiGLU), its settings checked, the planner's shapes and the MFU count, and training that
+resumes bitwise from a checkpoint, in one process and under DDP and FSDP on two gloo ranks. Its Hugging Face export
+(LlamaForCausalLM) is tests/test_hf_export.py's, beside GPT-2's."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
+from train_fixtures import tiny_overrides
+
+from cluster.model_shape import ArchOptions, gpt_param_shapes
+from cluster.trainer_memory import predict_trainer_state_bytes
+from train.config import TrainConfig, load_config
+from train.flops import flops_per_token
+from train.metrics import read_metrics
+from train.model import GPT, CausalSelfAttention, GPTConfig, apply_rope, rope_tables
+from train.optim import build_optimizer
+from train.parallel import DistContext
+from train.preflight import check_data
+from train.trainer import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+LLAMA = {"model.arch": "llama", "model.n_kv_head": 1, "model.tie_embeddings": False}
+STEPS = 4  # a checkpoint at step 2, then resumed to 4
+
+
+def llama(**extra: object) -> GPTConfig:
+    return GPTConfig(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "vocab_size": 61, "arch": "llama"}
+                     | extra)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_rope_turns_each_channel_pair_by_its_positions_angle() -> None:
+    torch.manual_seed(0)
+    batch, heads, seq, head_dim, theta = 2, 3, 7, 8, 500.0
+    x = torch.randn(batch, heads, seq, head_dim)
+    got = apply_rope(x, *rope_tables(seq, head_dim, theta, x.device))
+    half = head_dim // 2
+    expected = torch.empty_like(x)
+    for p in range(seq):
+        for i in range(half):  # the pair (i, i + half) turned by p·θ^(-2i/d)
+            angle = p * theta ** (-2 * i / head_dim)
+            a, b = x[..., p, i], x[..., p, i + half]
+            expected[..., p, i] = a * math.cos(angle) - b * math.sin(angle)
+            expected[..., p, i + half] = a * math.sin(angle) + b * math.cos(angle)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # A turn keeps each pair's length, and position 0 is not turned.
+    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(got[..., 0, :], x[..., 0, :])
+
+
+def attention_written_out(attn: CausalSelfAttention, x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """softmax(q·kᵀ/√d + causal mask)·v with each k/v head repeated for its group of query heads, then proj."""
+    batch, seq, width = x.shape
+    heads, head_dim = attn.n_head, width // attn.n_head
+    q, k, v = attn.qkv(x).split((width, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
+    k, v = (t.view(batch, seq, kv_heads, head_dim).transpose(1, 2) for t in (k, v))
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head h reads k/v head h // group
+    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, width)
+    return attn.proj(y)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_attention_equals_attention_over_repeated_keys_and_values(kv_heads: int) -> None:
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(llama(n_kv_head=kv_heads)).eval()
+    assert attn.qkv.out_features == 32 + 2 * kv_heads * 8  # k and v are kv_heads heads of 8 wide
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), attention_written_out(attn, x, kv_heads), rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_is_a_gated_silu_and_the_default_width_keeps_a_4x_mlps_size() -> None:
+    torch.manual_seed(0)
+    model = GPT(llama(n_embd=48, n_head=4))
+    mlp = model.blocks[0].mlp
+    assert mlp.gate.out_features == mlp.up.out_features == 128  # 8/3 · 48 = 128, a multiple of 64
+    x = torch.randn(3, 5, 48)
+    gate, up = x @ mlp.gate.weight.T, x @ mlp.up.weight.T
+    expected = (gate * torch.sigmoid(gate) * up) @ mlp.proj.weight.T
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
+    assert GPT(llama(ffn_hidden=40)).blocks[0].mlp.up.out_features == 40
+
+
+def test_a_llama_has_no_biases_no_position_table_and_rms_norms() -> None:
+    model = GPT(llama(tie_embeddings=False))
+    names = dict(model.named_parameters())
+    assert not [name for name in names if name.endswith("bias")]
+    assert model.wpe is None and isinstance(model.ln_f, torch.nn.RMSNorm)
+    assert "lm_head.weight" in names
+    assert "lm_head.weight" not in dict(GPT(llama()).named_parameters())  # tied: the embedding itself
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"arch": "llama", "bias": True}, "bias: true"),
+        ({"n_kv_head": 2}, "n_kv_head: set only with arch 'llama'"),
+        ({"tie_embeddings": False}, "tie_embeddings: set only with arch 'llama'"),
+        ({"arch": "llama", "n_kv_head": 3}, "must be a multiple of n_kv_head"),
+        ({"arch": "llama", "activation": "gelu"}, "arch 'llama' expects 'swiglu'"),
+        ({"activation": "swiglu"}, "arch 'gpt2' expects 'gelu_tanh' or 'gelu'"),
+        ({"arch": "llama", "n_head": 8, "n_embd": 24}, "head size 3 .* must be even"),
+    ],
+)
+def test_a_setting_the_arch_does_not_have_is_refused_naming_it(settings: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        TrainConfig.model_validate({"model": {"n_head": 4, "n_embd": 32} | settings})
+
+
+def test_the_planner_lists_the_models_own_shapes_and_mfu_counts_no_lookup() -> None:
+    config = llama(n_kv_head=2, tie_embeddings=False, ffn_hidden=96)
+    model = GPT(config)
+    options = ArchOptions("llama", n_head=4, n_kv_head=2, ffn_hidden=96, tie_embeddings=False)
+    assert gpt_param_shapes(2, 32, 61, 16, None, options) == tuple(tuple(p.shape) for p in model.parameters())
+    optimizer = build_optimizer(model, TrainConfig().optimizer)
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for p in model.parameters() for t in (p, p.grad))
+    held += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
+    assert predict_trainer_state_bytes(2, 4, 32, 16, 61, None, "single", 1, options) == held
+    # The untied embedding is a lookup: 6·N counts the output projection's matmul, not the table.
+    assert model.num_params() == model.num_params(exclude_lookups=False) - 61 * 32
+    assert flops_per_token(model) == 6 * model.num_params() + 12 * 2 * 4 * 8 * 16
+
+
+def run_and_resume(data: Path, out: Path, ctx: DistContext, **extra: object) -> tuple[list, list, dict]:
+    """Losses of an uninterrupted run of STEPS, of one stopped after STEPS/2 and resumed, and the resumed one's
+    weights equal to the uninterrupted one's (per name)."""
+
+    def config(where: Path, **more: object) -> TrainConfig:
+        overrides = {"steps": STEPS, "checkpoint.interval_steps": STEPS // 2, **LLAMA, **extra, **more}
+        loaded = load_config(None, tiny_overrides(data, where, **overrides))
+        check_data(loaded)
+        return loaded
+
+    whole = Trainer.from_config(config(out / "whole"), ctx)
+    whole.train()
+    first = Trainer.from_config(config(out / "cut"), ctx)
+    for _ in range(STEPS // 2):
+        first.run_step()
+    first.checkpointer.close()
+    resumed = Trainer.from_config(config(out / "cut", **{"checkpoint.resume": True}), ctx)
+    resumed.train()
+    same = {name: torch.equal(value, resumed.gpt.state_dict()[name]) for name, value in whole.gpt.state_dict().items()}
+    losses = [[(r["step"], r["loss"]) for r in read_metrics(out / name)] for name in ("whole", "cut")]
+    return losses[0], losses[1], same
+
+
+def test_a_llama_resumes_bitwise_in_one_process(token_dir: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    whole, resumed, same = run_and_resume(token_dir, tmp_path, DistContext(0, 1, torch.device("cpu")))
+    assert len(whole) == STEPS and resumed == whole  # the same floats, not just close
+    assert all(same.values()), same
+
+
+def _resume_worker(rank: int, world: int, port: int, data: str, out: str, queue: FlushedQueue) -> None:
+    with cpu_rank(rank, world, port) as ctx:
+        result: dict = {"rank": rank}
+        for strategy in ("ddp", "fsdp"):
+            parallel = {"parallel.strategy": strategy, "parallel.workers": 2}
+            result[strategy] = run_and_resume(Path(data), Path(out) / strategy, ctx, **parallel)
+        queue.put(result)
+
+
+@pytest.mark.slow
+def test_a_llama_resumes_bitwise_under_ddp_and_fsdp(token_dir: Path, tmp_path: Path) -> None:
+    for result in run_gloo_ranks(_resume_worker, 2, str(token_dir), str(tmp_path)):
+        for strategy in ("ddp", "fsdp"):
+            whole, resumed, same = result[strategy]
+            assert len(whole) == STEPS and resumed == whole, (result["rank"], strategy)
+            assert all(same.values()), (result["rank"], strategy, same)
