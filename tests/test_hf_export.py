@@ -17,7 +17,7 @@ import transformers
 from tokenizers import Tokenizer
 from train_fixtures import load_documents, tiny_overrides
 
-from ground.formats import EOT
+from ground.formats import EOT, FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, FIM_TOKENS
 from train.config import load_config
 from train.export import load_final
 from train.final import train_to_completion
@@ -76,6 +76,10 @@ def test_transformers_loads_it_as_its_arch_without_custom_code(hf_export: tuple[
     assert tokenizer.eos_token == EOT and tokenizer.eos_token_id == ours.token_to_id(EOT)
     text = load_documents()[0][:500]
     assert tokenizer(text)["input_ids"] == ours.encode(text).ids  # the same tokenizer, not a look-alike
+    # The FIM sentinels are its special tokens too: a fill-in-the-middle prompt means what it meant in training.
+    prompt = f"{FIM_PREFIX}def f(x):{FIM_SUFFIX} return y{FIM_MIDDLE}"
+    assert tokenizer(prompt, add_special_tokens=False)["input_ids"] == ours.encode(prompt, add_special_tokens=False).ids
+    assert [ours.token_to_id(t) for t in FIM_TOKENS] == tokenizer.convert_tokens_to_ids(list(FIM_TOKENS))
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == ours.token_to_id(EOT)
     lineage = json.loads((out / "lineage.json").read_text())

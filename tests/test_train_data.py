@@ -471,7 +471,7 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path: Path) -> None:
         load_config(None, {"parallel.strategy": "ddp", "parallel.workers": 3})
     with pytest.raises(ConfigError, match=r"steps: .*valid integer.*many"):
         load_config(None, {"steps": "many"})
-    with pytest.raises(ConfigError, match=r"model\.activation.*'gelu_tanh' or 'gelu'"):
+    with pytest.raises(ConfigError, match=r"model\.activation.*'gelu_tanh', 'gelu' or 'swiglu'"):
         load_config(None, {"model.activation": "relu"})
     with pytest.raises(ValueError, match="activation 'relu'"):  # a config.json read back without the train config
         GPTConfig(vocab_size=8, activation="relu")  # type: ignore[arg-type]

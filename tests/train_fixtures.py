@@ -24,18 +24,21 @@ def load_documents() -> list[str]:
     return load_ccnet_texts()
 
 
-def build_token_dir(out: Path, vocab_size: int = 512, val_every: int = 5) -> Path:
-    """Every ``val_every``-th document goes to the val split (about 14k of 75k characters), the rest to train."""
+def build_token_dir(
+    out: Path, vocab_size: int = 512, val_every: int = 5, docs: list[str] | None = None, tokenizer: Any = None
+) -> Path:
+    """Every ``val_every``-th document goes to the val split (about 14k of 75k characters), the rest to train.
+    ``docs``: other documents than the cc_net sample; ``tokenizer``: one to use instead of training the pipeline's."""
     # Imported here, not at the top: conftest loads this module for every session, and tests of other
     # stages must not depend on the tokenize step.
     from ground.formats import EOT
     from pipeline.steps.tokenize import TokenizeConfig, train_tokenizer
 
-    docs = load_documents()
+    docs = docs if docs is not None else load_documents()
     val_docs = [d for i, d in enumerate(docs) if i % val_every == 1]
     train_docs = [d for i, d in enumerate(docs) if i % val_every != 1]
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(docs, TokenizeConfig(vocab_size=vocab_size, min_frequency=1))
+    tokenizer = tokenizer or train_tokenizer(docs, TokenizeConfig(vocab_size=vocab_size, min_frequency=1))
     tok_path = out / "tokenizer.json"
     tokenizer.save(str(tok_path))
     eot_id = tokenizer.token_to_id(EOT)

@@ -20,6 +20,7 @@ from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig
 from train.data import TrainBatches, ValBatches
 from train.determinism import make_deterministic, settle_vector_math
+from train.fim import FimTransform
 from train.flops import flops_per_token
 from train.mixture import Source, data_lineage_sha256, describe
 from train.model import GPT
@@ -80,10 +81,13 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
         # Local shards only: a shard in object storage is verified as it downloads (WindowIndex.verified_file).
         local = [shard for s in sources for shard in s.manifest.shards if not shard.is_remote]
         verifier = ShardVerifier(local, run_dir.local / VERIFIED_SHARDS_CACHE)
+    fim = None
+    if config.fim.rate > 0:  # the sentinels' ids from the data's tokenizer (train.preflight checked it has them)
+        fim = FimTransform.for_tokenizer(config.fim, data.seed, sources[0].manifest.tokenizer_file())
     train = TrainBatches(
         sources, block_size, data.micro_batch_size, grad_accum,
         ctx.rank, ctx.world_size, data.seed, ctx.device,
-        prefetch_steps=data.prefetch_steps, verifier=verifier,
+        prefetch_steps=data.prefetch_steps, verifier=verifier, fim=fim,
     )  # fmt: skip
     val = ValBatches(
         sources,

@@ -32,6 +32,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "ConfigError",
     "CostConfig",
     "DataConfig",
+    "FimConfig",
     "GPTConfig",
     "GuardConfig",
     "MetricsConfig",
@@ -73,6 +74,13 @@ class DataConfig(_Section):
     # Several pipeline outputs at fixed weights (train.mixture); empty: the one data_dir. With a mixture,
     # data_dir is its first source (the tokenizer the export copies).
     mixture: list[MixtureSource] = Field(default_factory=list)
+
+
+class FimConfig(_Section):
+    """Fill-in-the-middle (train/fim.py): the share of documents rearranged around the FIM sentinels, and the order."""
+
+    rate: float = Field(0.0, ge=0.0, le=1.0)
+    mode: Literal["psm", "spm"] = "psm"
 
 
 class OptimizerConfig(_Section):
@@ -210,6 +218,7 @@ def _window(text: str) -> tuple[int, int] | None:
 class TrainConfig(_Section):
     model: GPTConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    fim: FimConfig = Field(default_factory=FimConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ground.cache import fetch_verified
+from train.fim import FimTransform
 from train.manifest import Manifest, Shard
 from train.mixture import Source, cumulative_counts
 from train.shard_verify import DaemonPool, ShardVerifier
@@ -187,6 +188,7 @@ class TrainBatches:
         *,
         prefetch_steps: int = 0,
         verifier: ShardVerifier | None = None,
+        fim: FimTransform | None = None,
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
@@ -208,6 +210,7 @@ class TrainBatches:
         self.seed = seed
         self.device = device
         self.prefetch_steps = prefetch_steps
+        self.fim = fim
         # Pinned host memory makes the host-to-device copy asynchronous; pinning costs a copy, so CUDA only.
         self._pin = device.type == "cuda"
         self._ahead: dict[int, Future[list[torch.Tensor]]] = {}
@@ -242,11 +245,17 @@ class TrainBatches:
         }
 
     def read_step(self, step: int) -> list[torch.Tensor]:
-        """The CPU tokens of ``step``: grad_accum tensors of (micro_batch_size, block_size + 1) int64."""
-        return [
-            torch.from_numpy(np.stack([self.windows.read(int(w), self.dtype) for w in row]))
-            for row in self.window_ids(step)
-        ]
+        """The CPU tokens of ``step``: grad_accum tensors of (micro_batch_size, block_size + 1) int64, with fill-in-
+        the-middle applied when asked (each row keyed by its place in the step's global batch)."""
+        ids = self.window_ids(step)
+        rows = [[self.windows.read(int(w), self.dtype) for w in row] for row in ids]
+        if self.fim is not None:
+            first = self.rank * ids.size
+            rows = [
+                [self.fim.apply(tokens, step, first + a * ids.shape[1] + m) for m, tokens in enumerate(row)]
+                for a, row in enumerate(rows)
+            ]
+        return [torch.from_numpy(np.stack(row)) for row in rows]
 
     def load(self, step: int) -> StepBatches:
         """The grad_accum micro-batches of ``step``, on the device; with read-ahead, the reads of the steps after

@@ -13,6 +13,7 @@ from ground.cache import CorruptDownload
 from ground.hashing import sha256_file
 from ground.storage import Location, StorageError, check_scheme
 from train.config import TrainConfig
+from train.fim import MissingSentinels, sentinel_ids
 from train.manifest import DataError, Manifest
 from train.mixture import load_sources
 from train.resume_check import BatchChanged, ModelChanged, check_resumable
@@ -68,6 +69,11 @@ def check_data(config: TrainConfig) -> Manifest:
         raise PreflightError(
             f"manifest eot_id {manifest.eot_id} is outside the vocabulary (size {manifest.vocab_size})"
         )
+    if config.fim.rate > 0:
+        try:
+            sentinel_ids(tok_path)
+        except MissingSentinels as exc:
+            raise PreflightError(f"fim.rate {config.fim.rate}: {exc}") from exc
     if config.model.vocab_size is None:
         config.model.vocab_size = manifest.vocab_size
     elif config.model.vocab_size != manifest.vocab_size:

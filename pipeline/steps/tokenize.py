@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ground.formats import EOT
+from ground.formats import EOT, FIM_TOKENS
 from ground.storage import Location
 from pipeline.steps.base import Doc, Step
 
@@ -43,7 +43,7 @@ def train_tokenizer(texts: Iterable[str], config: TokenizeConfig) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=config.vocab_size,
         min_frequency=config.min_frequency,
-        special_tokens=[EOT],
+        special_tokens=[EOT, *FIM_TOKENS],  # the FIM sentinels too, so any run of this data can train with fim
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
