@@ -77,9 +77,9 @@ def build_trainer(data_dir: Path, out: Path, prefetch: int) -> Trainer:
     )
     check_data(config)
     trainer = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
-    if trainer.train_batches.prefetch_steps != prefetch:
+    if trainer.train_batches.final.prefetch_steps != prefetch:
         raise RuntimeError(
-            f"the trainer's loader reads {trainer.train_batches.prefetch_steps} steps ahead, not {prefetch}"
+            f"the trainer's loader reads {trainer.train_batches.final.prefetch_steps} steps ahead, not {prefetch}"
         )
     return trainer
 
@@ -99,7 +99,7 @@ def record_waits(variant: Variant) -> None:
 
 def inject_read_delay(trainer: Trainer, delay_s: float) -> None:
     """Every window read sleeps ``delay_s`` first (on whichever thread reads)."""
-    windows = trainer.train_batches.windows
+    windows = trainer.train_batches.final.windows
     read = windows.read
 
     def slow_read(window: int, dtype: np.dtype) -> np.ndarray:

@@ -18,6 +18,7 @@ from torch import nn
 from checkpoints.checkpointer import Checkpointer
 from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig
+from train.context_schedule import PhasedBatches, context_phases
 from train.data import TrainBatches, ValBatches
 from train.determinism import make_deterministic, settle_vector_math
 from train.fim import FimTransform
@@ -65,16 +66,16 @@ def build_model(config: TrainConfig, ctx: DistContext) -> ModelParts:
 
 @dataclass
 class DataParts:
-    train: TrainBatches
-    val: ValBatches
-    verifier: ShardVerifier | None  # shared by both; its owner (the trainer) closes it
+    train: PhasedBatches  # train and val batches, one loader of each per context phase (one without a schedule)
+    verifier: ShardVerifier | None  # shared by all; its owner (the trainer) closes it
 
 
 def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run_dir: RunDir) -> DataParts:
     """This rank's train and val batches. The micro-batches per step come from the world size this group really
     has: an elastic run restarted on fewer workers accumulates more of them, so the global batch (and with it the
-    step, the LR schedule, the tokens seen) holds."""
-    data, block_size = config.data, config.model.block_size
+    step, the LR schedule, the tokens seen) holds. Under a context schedule each phase's micro-batch holds as many
+    tokens as a full-context one (train.context_schedule)."""
+    data = config.data
     grad_accum = config.grad_accum_for(ctx.world_size)  # raises before any verifier thread starts
     verifier = None
     if data.verify_shards:
@@ -84,22 +85,19 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
     fim = None
     if config.fim.rate > 0:  # the sentinels' ids from the data's tokenizer (train.preflight checked it has them)
         fim = FimTransform.for_tokenizer(config.fim, data.seed, sources[0].manifest.tokenizer_file())
-    train = TrainBatches(
-        sources, block_size, data.micro_batch_size, grad_accum,
-        ctx.rank, ctx.world_size, data.seed, ctx.device,
-        prefetch_steps=data.prefetch_steps, verifier=verifier, fim=fim,
-    )  # fmt: skip
-    val = ValBatches(
-        sources,
-        block_size,
-        data.micro_batch_size,
-        data.eval_sequences,
-        ctx.rank,
-        ctx.world_size,
-        ctx.device,
-        verifier=verifier,
-    )
-    return DataParts(train, val, verifier)
+    phases = context_phases(config)
+    train, val = [], []
+    rank, world = ctx.rank, ctx.world_size
+    for phase in phases:
+        block, micro = phase.block_size, data.micro_batch_size * phase.windows_per_sequence
+        ahead = data.prefetch_steps
+        loader = TrainBatches(
+            sources, block, micro, grad_accum, rank, world, data.seed, ctx.device,
+            prefetch_steps=ahead, verifier=verifier, fim=fim, phase=phase.index,
+        )  # fmt: skip
+        train.append(loader)
+        val.append(ValBatches(sources, block, micro, data.eval_sequences, rank, world, ctx.device, verifier=verifier))
+    return DataParts(PhasedBatches(phases, train, val), verifier)
 
 
 def build_checkpointer(

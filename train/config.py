@@ -7,6 +7,7 @@ the file (``ground.overrides``, shared with the other CLIs).
 
 from __future__ import annotations
 
+import itertools
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "STRATEGIES",
     "CheckpointConfig",
     "ConfigError",
+    "ContextPhase",
     "CostConfig",
     "DataConfig",
     "FimConfig",
@@ -81,6 +83,14 @@ class FimConfig(_Section):
 
     rate: float = Field(0.0, ge=0.0, le=1.0)
     mode: Literal["psm", "spm"] = "psm"
+
+
+class ContextPhase(_Section):
+    """From ``from_step`` on, train on windows of ``block_size`` tokens (and, for arch llama, with ``rope_theta``)."""
+
+    from_step: int = Field(ge=0)
+    block_size: int = Field(ge=1)
+    rope_theta: float | None = Field(None, gt=0)  # None: the previous phase's (the first: model.rope_theta)
 
 
 class OptimizerConfig(_Section):
@@ -219,6 +229,9 @@ class TrainConfig(_Section):
     model: GPTConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     fim: FimConfig = Field(default_factory=FimConfig)
+    # The block size as a function of the step (train.context_schedule): e.g. 256 tokens, then model.block_size from
+    # step 400. Empty: model.block_size throughout.
+    context_schedule: list[ContextPhase] = Field(default_factory=list)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -252,6 +265,8 @@ class TrainConfig(_Section):
                     f"global_batch_size {d.global_batch_size} is too small to mix {len(d.mixture)} sources: "
                     f"it needs global_batch_size × (largest weight share) >= sources - 1"
                 )
+        if self.context_schedule:
+            self._check_context_schedule()
         window = self.profile.window
         if window is not None and window[1] > self.steps:
             raise ValueError(
@@ -282,6 +297,27 @@ class TrainConfig(_Section):
                 f"({p.min_workers}) to parallel.workers ({p.workers}); it is not for w = {uneven}"
             )
         return self
+
+    def _check_context_schedule(self) -> None:
+        phases, block = self.context_schedule, self.model.block_size
+        starts = [p.from_step for p in phases]
+        if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise ValueError(f"context_schedule: from_step must start at 0 and increase, got {starts}")
+        if starts[-1] >= self.steps:
+            raise ValueError(f"context_schedule: a phase from step {starts[-1]} starts after the run's last step")
+        if phases[-1].block_size != block:
+            raise ValueError(
+                f"context_schedule: the last phase's block_size ({phases[-1].block_size}) must be model.block_size "
+                f"({block}), the context the model is exported with"
+            )
+        uneven = [p.block_size for p in phases if block % p.block_size]
+        if uneven:
+            raise ValueError(
+                f"context_schedule: block_size {uneven} does not divide model.block_size ({block}): a step keeps "
+                "its tokens (global_batch_size × model.block_size) in whole windows"
+            )
+        if self.model.arch != "llama" and any(p.rope_theta is not None for p in phases):
+            raise ValueError("context_schedule: rope_theta is set only with model.arch llama (rotary positions)")
 
     @property
     def world_sizes(self) -> range:

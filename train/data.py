@@ -93,14 +93,20 @@ class WindowIndex:
         return shard.path
 
 
-Seed = int | tuple[int, int]  # the run's seed, or (seed, source index) for one source of a mixture
+# The run's seed; (seed, source index) for one source of a mixture; a later phase of a context schedule prepends
+# (seed, PHASE_STREAM, phase) to those (train.context_schedule).
+Seed = int | tuple[int, ...]
+PHASE_STREAM = 0x43545820  # keeps a context phase's data order apart from the first phase's
+
+
+def seed_parts(seed: Seed) -> tuple[int, ...]:
+    return seed if isinstance(seed, tuple) else (seed,)
 
 
 @functools.lru_cache(maxsize=8)
 def epoch_permutation(seed: Seed, epoch: int, num_windows: int) -> np.ndarray:
     """The visiting order of one epoch. Cached: consecutive steps almost always share an epoch."""
-    parts = list(seed) if isinstance(seed, tuple) else [seed]
-    return np.random.default_rng([*parts, epoch]).permutation(num_windows)
+    return np.random.default_rng([*seed_parts(seed), epoch]).permutation(num_windows)
 
 
 def global_sample_windows(seed: Seed, first_sample: int, count: int, num_windows: int) -> np.ndarray:
@@ -115,7 +121,7 @@ def global_sample_windows(seed: Seed, first_sample: int, count: int, num_windows
 
 
 def rank_windows(
-    seed: int, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int, num_windows: int
+    seed: Seed, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int, num_windows: int
 ) -> np.ndarray:
     """Window ids rank ``rank`` trains on at ``step``, shape (grad_accum, micro_batch_size)."""
     per_rank = micro_batch_size * grad_accum
@@ -124,7 +130,7 @@ def rank_windows(
 
 
 def mixture_rank_windows(
-    seed: int,
+    seed: Seed,
     step: int,
     rank: int,
     world_size: int,
@@ -142,7 +148,8 @@ def mixture_rank_windows(
     after = cumulative_counts(step + 1, global_batch, weights)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     parts = [
-        offsets[s] + global_sample_windows((seed, s), int(before[s]), int(after[s] - before[s]), int(sizes[s]))
+        offsets[s]
+        + global_sample_windows((*seed_parts(seed), s), int(before[s]), int(after[s] - before[s]), int(sizes[s]))
         for s in range(len(sizes))
     ]
     step_windows = np.concatenate(parts)
@@ -189,6 +196,7 @@ class TrainBatches:
         prefetch_steps: int = 0,
         verifier: ShardVerifier | None = None,
         fim: FimTransform | None = None,
+        phase: int = 0,
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
@@ -208,6 +216,8 @@ class TrainBatches:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        # The data order: the seed's, or for a later context phase its own stream (train.context_schedule).
+        self.order_seed: Seed = seed if phase == 0 else (seed, PHASE_STREAM, phase)
         self.device = device
         self.prefetch_steps = prefetch_steps
         self.fim = fim
@@ -225,11 +235,17 @@ class TrainBatches:
     def window_ids(self, step: int) -> np.ndarray:
         if len(self.sources) > 1:
             return mixture_rank_windows(
-                self.seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum,
+                self.order_seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum,
                 self.sizes, self.weights,
             )  # fmt: skip
         return rank_windows(
-            self.seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum, len(self.windows)
+            self.order_seed,
+            step,
+            self.rank,
+            self.world_size,
+            self.micro_batch_size,
+            self.grad_accum,
+            len(self.windows),
         )
 
     def position(self, step: int) -> dict[str, Any]:

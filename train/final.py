@@ -26,7 +26,7 @@ from train.trainer import Trainer
 def probe_logits(trainer: Trainer) -> tuple[torch.Tensor, torch.Tensor]:
     """The first val window (train, without a val split) and the live model's fp32 logits on it. With
     FSDP this is a collective: every rank runs the same forward."""
-    windows = trainer.val_batches.windows if trainer.val_batches else trainer.train_batches.windows
+    windows = trainer.val_batches.windows if trainer.val_batches else trainer.train_batches.final.windows
     tokens = torch.from_numpy(windows.read(0, trainer.manifest.dtype)[:-1]).unsqueeze(0)
     trainer.model.eval()
     logits, _ = trainer.model(tokens.to(trainer.ctx.device))
@@ -50,7 +50,8 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
         save_file({"tokens": probe_tokens, "logits": probe}, str(final / FINAL_PROBE))
         info = {
             "step": trainer.step,
-            "model_config": config.to_dict()["model"],
+            # The model as trained last: under a context schedule, the last phase's rope_theta.
+            "model_config": config.to_dict()["model"] | {"rope_theta": trainer.gpt.rope_theta},
             "train_config": config.to_dict(),
             "data_manifest_sha256": data_lineage_sha256(trainer.sources),
             "data_sources": describe(trainer.sources),

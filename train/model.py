@@ -216,6 +216,9 @@ class GPT(nn.Module):
         # Recompute each block's activations in backward instead of storing them: set by the trainer,
         # not part of GPTConfig because it changes memory/speed, not the function the model computes.
         self.activation_checkpointing = False
+        # The RoPE base the forward turns positions with: config.rope_theta, changed by a context schedule's phase
+        # (train.context_schedule) without changing the config the checkpoints compare.
+        self.rope_theta = config.rope_theta
         self.apply(self._init_weights)
         # GPT-2's scaled init: the residual projections are summed 2·n_layer times into the stream,
         # so their std shrinks by 1/sqrt(2·n_layer) to keep the residual variance from growing.
@@ -257,7 +260,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(seq, device=idx.device))
         else:
-            rope = rope_tables(seq, self.config.head_dim, self.config.rope_theta, idx.device)
+            rope = rope_tables(seq, self.config.head_dim, self.rope_theta, idx.device)
         x = self.drop(x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:

@@ -55,6 +55,7 @@ from train.components import (
     resume_requested,
 )
 from train.config import TrainConfig
+from train.data import ValBatches
 from train.flops import device_peak_flops, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
 from train.memory import local_memory, memory_fields, state_bytes
@@ -174,7 +175,7 @@ class Trainer(Stateful):
         self.params = list(self.model.parameters())  # FSDP's are this rank's DTensor shards
         self.flops_per_token = model.flops_per_token
         self.run_dir = run_dir
-        self.train_batches, self.val_batches, self.verifier = data.train, data.val, data.verifier
+        self.train_batches, self.verifier = data.train, data.verifier
         self.guard, self.checkpointer, self.resuming = guard, checkpointer, resuming
         self.metrics, self.profiler, self.telemetry = metrics, profiler, telemetry
         self.on_step_end, self.on_hang = on_step_end, on_hang
@@ -195,6 +196,11 @@ class Trainer(Stateful):
         self.bad_steps: list[dict[str, Any]] = []
         self.rollbacks: list[dict[str, Any]] = []
         self.resumed_from: list[dict[str, Any]] = []  # one entry per resume (restarts add more)
+
+    @property
+    def val_batches(self) -> ValBatches:
+        """The validation windows of the current context phase (of its block size)."""
+        return self.train_batches.val_batches(self.data_step)
 
     @property
     def data_step(self) -> int:
@@ -357,6 +363,9 @@ class Trainer(Stateful):
         # Accumulate over micro-batches; each loss is divided by the count so the summed gradient is
         # the mean over the rank's sequences, and DDP/FSDP average that over ranks: together, the mean
         # over the global batch, whatever the world size.
+        phase = self.train_batches.phase(data_step)
+        if phase.rope_theta != self.gpt.rope_theta:
+            self._switch_rope_theta(step, phase.rope_theta)
         loaded = self.train_batches.load(data_step)
         micro_batches = loaded.micro_batches
         loss_sum = torch.zeros((), device=self.ctx.device)
@@ -399,6 +408,7 @@ class Trainer(Stateful):
             "grad_norm": norm,
             "tokens_per_s": tokens_per_s,
             "step_tokens": self.tokens_per_step,
+            "block_size": phase.block_size,
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.ctx.world_size),
             "strategy": self.config.parallel.strategy,
             "world_size": self.ctx.world_size,
@@ -538,6 +548,12 @@ class Trainer(Stateful):
         fields: dict[str, list[Any]] = memory_fields([memory for memory, _ in per_rank])
         fields |= {f"{key}_ranks": [timings[i] for _, timings in per_rank] for i, key in enumerate(keys)}
         return fields
+
+    def _switch_rope_theta(self, step: int, theta: float) -> None:
+        """A context phase's RoPE base (and, before step 0 of a resumed run, the phase's it resumes in)."""
+        if self.ctx.is_main:
+            log.info("step %d: rope_theta %g -> %g (context_schedule)", step, self.gpt.rope_theta, theta)
+        self.gpt.rope_theta = theta
 
     def _progress(self, phase: str) -> None:
         if self.watchdog is not None:
