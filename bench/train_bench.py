@@ -4,6 +4,8 @@
    does each step: grad-norm, guard rails, clipping, memory accounting, metrics.jsonl) against a bare
    PyTorch loop (forward, backward, AdamW step) on the same model config, data and machine, measured
    alternately in one process; the ratio is our loop's overhead.
+1a. The two blocks: ``model.arch: gpt2`` and ``llama`` at about the same parameter count, tokens/s and model
+   FLOP/s of our loop in alternating rounds.
 2. Memory: parameters + gradients + AdamW state held per rank under DDP and FSDP (2 ranks, gloo)
    for the demo model and GPT-2 small, measured by summing each rank's local tensors after one step.
 3. With ``--nanogpt DIR`` (a nanoGPT checkout the user supplies; nothing of it is copied here): parity with
@@ -133,6 +135,64 @@ def throughput(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, 
         # Per-round ratios: the 2 cores are shared, so compare each round's pair measured back to back.
         "ratio": statistics.median(o / b for o, b in zip(ours, bare, strict=True)),
     }
+
+
+# ---------------------------------------------------------------- 1a. the two blocks
+def arch_overrides(arch: str) -> dict[str, Any]:
+    """The demo shape with GPT-2's block, or a Llama-style one at about its parameter count: multi-head attention
+    (n_kv_head = n_head) and a SwiGLU of width 8/3·n_embd, whose three matrices hold what GPT-2's two of 4·n_embd
+    do; no biases and no positions table, so a little fewer."""
+    if arch == "gpt2":
+        return {}
+    return {"model.arch": "llama", "model.bias": False, "model.ffn_hidden": 8 * DEMO["n_embd"] // 3}
+
+
+def archs(data_dir: Path, out: Path, steps: int, rounds: int) -> dict[str, Any]:
+    """train.Trainer (single) on each block, the same data and batch, in alternating rounds: tokens/s and the model
+    FLOP/s of each (MFU's numerator; a CPU has no datasheet peak to divide by)."""
+    torch.set_num_threads(1)
+    micro = 8
+    trainers = {}
+    for arch in ("gpt2", "llama"):
+        overrides = {"data_dir": str(data_dir), "output_dir": str(out / f"arch_{arch}"),
+                     "data.micro_batch_size": micro, "data.global_batch_size": micro, "data.eval_interval": 0,
+                     "checkpoint.enabled": False, "steps": 10_000} | arch_overrides(arch)  # fmt: skip
+        config = load_config(REPO / "train" / "configs" / "demo.yaml", overrides)
+        check_data(config)
+        trainers[arch] = Trainer.from_config(config, DistContext(rank=0, world_size=1, device=torch.device("cpu")))
+        our_loop(trainers[arch], 2)  # warm-up
+    rates: dict[str, list[float]] = {arch: [] for arch in trainers}
+    for r in range(rounds):
+        for arch in list(trainers) if r % 2 == 0 else list(reversed(trainers)):
+            rates[arch].append(our_loop(trainers[arch], steps))
+    result = {
+        arch: {
+            "params": trainer.gpt.num_params(exclude_lookups=False),
+            "flops_per_token": trainer.flops_per_token,
+            "tokens_per_s": rates[arch],
+        }
+        for arch, trainer in trainers.items()
+    }
+    for trainer in trainers.values():
+        trainer.close()
+    return result | {"ratios": [a / b for a, b in zip(rates["llama"], rates["gpt2"], strict=True)], "rounds": rounds}
+
+
+def render_archs(result: dict[str, Any]) -> str:
+    lines = [
+        "### The two blocks (demo shape: 4 layers, 128 wide, context 128, batch 8, 1 CPU thread; train.Trainer)",
+        "",
+        "| model.arch | params | tokens/s, median [IQR] | model GFLOP/s, median |",
+        "|---|---:|---:|---:|",
+    ]
+    for arch in ("gpt2", "llama"):
+        row = result[arch]
+        flops = statistics.median(row["tokens_per_s"]) * row["flops_per_token"] / 1e9
+        lines.append(
+            f"| {arch} | {row['params']:,} | {median_iqr_text(row['tokens_per_s'], '{:,.0f}')} | {flops:.2f} |"
+        )
+    lines.append(f"| **llama / gpt2 tokens/s (per round)** | | {median_iqr_text(result['ratios'], '{:.3f}')} | |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- 1b. parity with nanoGPT
@@ -425,9 +485,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data_dir = training_data(args.data, out)
     speed = throughput(data_dir, out, args.steps, args.rounds)
+    blocks = archs(data_dir, out, args.steps, args.rounds)
     mem = memory(models)
-    table = render(speed, mem, out)
-    result: dict[str, Any] = {"throughput": speed, "memory": mem}
+    table = render(speed, mem, out) + "\n\n" + render_archs(blocks)
+    result: dict[str, Any] = {"throughput": speed, "archs": blocks, "memory": mem}
     if args.nanogpt:
         result["parity"] = parity(args.nanogpt, data_dir, out, args.parity_steps, args.parity_rounds, args.threads)
         table += "\n\n" + render_parity(result["parity"])

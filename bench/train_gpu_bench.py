@@ -68,6 +68,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# --arch: the preset's shapes with GPT-2's block (as its config has it) or a Llama-style one (no biases).
+ARCHS: dict[str, dict[str, Any]] = {"gpt2": {}, "llama": {"model.arch": "llama", "model.bias": False}}
+
+
 def trainer_config(args: argparse.Namespace, out: Path, **overrides: Any) -> TrainConfig:
     preset = PRESETS[args.preset]
     user = dict(item.split("=", 1) for item in args.set)
@@ -84,6 +88,7 @@ def trainer_config(args: argparse.Namespace, out: Path, **overrides: Any) -> Tra
             "checkpoint.enabled": False,
             "steps": 100_000,  # never reached: only the LR schedule's horizon
             **preset["overrides"],
+            **ARCHS[args.arch],
             **user,
             **overrides,
         },
@@ -273,7 +278,7 @@ def render(result: dict[str, Any]) -> str:
     peak, datasheet = result["matmul_peak_flops"], result["datasheet_peak_flops"]
     bare = result["ways"]["bare"]["tokens_per_s"] if "bare" in result["ways"] else None
     lines = [
-        f"### {result['preset']} on {result['device_name']} ({result['params']:,} params, "
+        f"### {result['preset']} ({result['arch']}) on {result['device_name']} ({result['params']:,} params, "
         f"{result['tokens_per_step']:,} tokens/step, torch {result['torch']})",
         "",
         f"matmul peak measured here (bf16 on a GPU, fp32 on a CPU): {peak / 1e12:,.2f} TFLOP/s"
@@ -308,6 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--preset", choices=list(PRESETS), default="gpt2-small")
+    parser.add_argument("--arch", choices=list(ARCHS), default="gpt2", help="the block (model.arch) on the preset")
     parser.add_argument("--data", help="pipeline output dir (default: the pipeline's output on data/sample)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench" / "train_gpu"))
     parser.add_argument("--steps", type=int, default=20, help="timed steps per way")
@@ -350,6 +356,7 @@ def main() -> None:
         precision = config.parallel.precision
         result: dict[str, Any] = {
             "preset": args.preset,
+            "arch": args.arch,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "torch": torch.__version__,
             "params": GPT(config.model).num_params(exclude_lookups=False),

@@ -292,6 +292,7 @@ def test_train_bench_smoke(tmp_path, token_dir):
     proc = run_script(str(BENCH / "train_bench.py"), "--smoke", "--data", str(token_dir), "--out", str(out))
     assert "### Train-loop throughput" in proc.stdout and "### Training state held per rank" in proc.stdout
     assert "| demo (vocab 512) | " in proc.stdout and "GPT-2 small" not in proc.stdout
+    assert "| gpt2 | " in proc.stdout and "| llama | " in proc.stdout  # the two blocks, beside each other
     memory = json.loads((out / "train_bench.json").read_text())["memory"]
     assert {(row["model"], row["strategy"]) for row in memory} == {
         ("demo (vocab 512)", "ddp"),

@@ -219,6 +219,14 @@ def test_a_context_schedule_switches_block_and_theta_and_resumes_bitwise_across_
         ([{"from_step": 0, "block_size": 16}], "the last phase's block_size \\(16\\) must be model.block_size"),
         ([{"from_step": 0, "block_size": 12}, {"from_step": 2, "block_size": 32}], "12\\] does not divide"),
         ([{"from_step": 0, "block_size": 16}, {"from_step": 20, "block_size": 32}], "after the run's last step"),
+        (
+            [
+                {"from_step": 0, "block_size": 32},
+                {"from_step": 2, "block_size": 16},
+                {"from_step": 4, "block_size": 32},
+            ],
+            "may not shrink the context",
+        ),
     ],
 )
 def test_a_context_schedule_that_cannot_keep_a_steps_tokens_is_refused(schedule: list, named: str) -> None:

@@ -158,3 +158,10 @@ def test_a_model_trained_with_fim_fills_in_a_held_out_middle_better(tmp_path: Pa
     # Better than the rate-0 model by a nat a token, and better than a uniform guess among the 90 constants: the
     # model reads the suffix.
     assert losses[0.5] < losses[0.0] - 1.0 and losses[0.5] < math.log(90), losses
+
+
+@pytest.mark.parametrize("settings", [{"fim.rate": 1.5}, {"fim.rate": -0.1}, {"fim.mode": "pms"}])
+def test_a_rate_outside_zero_to_one_or_an_unknown_mode_is_refused_naming_the_key(settings: dict) -> None:
+    key = next(iter(settings))
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(None, settings)

@@ -305,6 +305,9 @@ class TrainConfig(_Section):
             raise ValueError(f"context_schedule: from_step must start at 0 and increase, got {starts}")
         if starts[-1] >= self.steps:
             raise ValueError(f"context_schedule: a phase from step {starts[-1]} starts after the run's last step")
+        sizes = [p.block_size for p in phases]
+        if any(b < a for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"context_schedule: a phase's block_size may not shrink the context, got {sizes}")
         if phases[-1].block_size != block:
             raise ValueError(
                 f"context_schedule: the last phase's block_size ({phases[-1].block_size}) must be model.block_size "
