@@ -6,7 +6,11 @@ of a context schedule (train/context_schedule.py) that raises the RoPE base. Its
 
 from __future__ import annotations
 
+import json
 import math
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ from train.trainer import Trainer
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 LLAMA = {"model.arch": "llama", "model.n_kv_head": 1, "model.tie_embeddings": False}
 STEPS = 4  # a checkpoint at step 2, then resumed to 4
+REPO = Path(__file__).resolve().parents[1]
 
 
 def llama(**extra: object) -> GPTConfig:
@@ -188,28 +193,63 @@ def test_a_llama_resumes_bitwise_under_ddp_and_fsdp(token_dir: Path, tmp_path: P
 SCHEDULE = [{"from_step": 0, "block_size": 16}, {"from_step": 3, "block_size": 32, "rope_theta": 40000.0}]
 
 
+# A run of the schedule that SIGKILLs itself after step 2 (checkpointed after step 1; the switch is at step 3).
+KILLED_RUN = """
+import json, os, signal, sys
+import torch
+from train.config import load_config
+from train.parallel import DistContext
+from train.preflight import check_data
+from train.trainer import Trainer
+
+def kill_after_step_2(info):
+    if info.step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+torch.set_num_threads(1)
+config = load_config(None, json.loads(sys.argv[1]))
+check_data(config)
+Trainer.from_config(config, DistContext(0, 1, torch.device("cpu")), on_step_end=kill_after_step_2).train()
+"""
+
+
+@pytest.mark.slow
 def test_a_context_schedule_switches_block_and_theta_and_resumes_bitwise_across_the_switch(
     token_dir: Path, tmp_path: Path
 ) -> None:
-    """16-token windows for 3 steps, then model.block_size's 32 with another RoPE base; stopped after step 2 (before
-    the switch), resumed through it: the losses and weights of the uninterrupted run, bitwise."""
+    """16-token windows for 3 steps, then model.block_size's 32 with another RoPE base: a run SIGKILLed after step 2
+    and resumed (from its checkpoint after step 1) through the switch repeats the uninterrupted run's losses and
+    weights bitwise; the export's config is the last phase's."""
     torch.set_num_threads(1)
     cpu = DistContext(0, 1, torch.device("cpu"))
-    whole, resumed, same = run_and_resume(token_dir, tmp_path, cpu, steps=6, context_schedule=SCHEDULE)
-    assert len(whole) == 6 and resumed == whole and all(same.values()), same
-    records = read_metrics(tmp_path / "whole")
-    assert [r["block_size"] for r in records] == [16, 16, 16, 32, 32, 32]
-    assert len({r["step_tokens"] for r in records}) == 1  # a step keeps its tokens: twice the windows at half length
 
-    config = load_config(None, tiny_overrides(token_dir, tmp_path / "final", steps=6, context_schedule=SCHEDULE,
-                                              **LLAMA, **{"checkpoint.enabled": False}))  # fmt: skip
-    check_data(config)
-    trainer = Trainer.from_config(config, cpu)
-    shapes = [tuple(trainer.train_batches.load(s).micro_batches[0].inputs.shape) for s in (2, 3)]
-    assert shapes == [(4, 16), (2, 32)]  # the micro-batch keeps its tokens too
-    info = train_to_completion(trainer)
-    assert info is not None and info["model_config"]["rope_theta"] == 40000.0  # the export's, the last phase's
+    def config(where: Path, **more: object) -> TrainConfig:
+        overrides = {"steps": 6, "checkpoint.interval_steps": 2, "context_schedule": SCHEDULE, **LLAMA, **more}
+        loaded = load_config(None, tiny_overrides(token_dir, where, **overrides))
+        check_data(loaded)
+        return loaded
+
+    whole = Trainer.from_config(config(tmp_path / "whole"), cpu)
+    shapes = [tuple(whole.train_batches.load(s).micro_batches[0].inputs.shape) for s in (2, 3)]
+    assert shapes == [(4, 16), (2, 32)]  # twice the windows at half the length: a micro-batch keeps its tokens
+    info = train_to_completion(whole)
+    assert info is not None and info["model_config"]["rope_theta"] == 40000.0  # the export's: the last phase's
     assert info["model_config"]["block_size"] == 32
+
+    overrides = tiny_overrides(token_dir, tmp_path / "cut", steps=6, context_schedule=SCHEDULE, **LLAMA,
+                               **{"checkpoint.interval_steps": 2})  # fmt: skip
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, json.dumps(overrides)], cwd=REPO, timeout=300,
+                            capture_output=True, text=True)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = Trainer.from_config(config(tmp_path / "cut", **{"checkpoint.resume": True}), cpu)
+    resumed.train()
+    assert resumed.resumed_from[0]["checkpoint"] == "checkpoint_step_000000002"
+    records = read_metrics(tmp_path / "whole")
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "cut")] == [(r["step"], r["loss"]) for r in records]
+    assert [r["block_size"] for r in records] == [16, 16, 16, 32, 32, 32]
+    assert len({r["step_tokens"] for r in records}) == 1  # a step keeps its tokens
+    for name, value in whole.gpt.state_dict().items():
+        assert torch.equal(resumed.gpt.state_dict()[name], value), name
 
 
 @pytest.mark.parametrize(
