@@ -138,14 +138,7 @@ def to_llama(model: GPT, eot_id: int) -> Any:
         eos_token_id=eot_id,
         architectures=["LlamaForCausalLM"],
     )
-    hf = transformers.LlamaForCausalLM(config)
-    missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)
-    tied = ["lm_head.weight"] if c.tie_embeddings else []
-    if unexpected or [name for name in missing if name not in tied]:
-        raise HFExportError(f"Llama layout mismatch: missing {missing}, unexpected {unexpected}")
-    if c.tie_embeddings:
-        hf.tie_weights()
-    return hf.eval()
+    return with_weights(transformers.LlamaForCausalLM(config), llama_state_dict(model), c.tie_embeddings)
 
 
 def to_hf(model: GPT, eot_id: int) -> Any:
@@ -175,11 +168,17 @@ def to_gpt2(model: GPT, eot_id: int) -> Any:
         eos_token_id=eot_id,
         architectures=["GPT2LMHeadModel"],
     )
-    hf = transformers.GPT2LMHeadModel(config)
-    missing, unexpected = hf.load_state_dict(gpt2_state_dict(model), strict=False)
-    if unexpected or [name for name in missing if name != "lm_head.weight"]:
-        raise HFExportError(f"GPT-2 layout mismatch: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
+    return with_weights(transformers.GPT2LMHeadModel(config), gpt2_state_dict(model), tied=True)
+
+
+def with_weights(hf: Any, state: dict[str, torch.Tensor], tied: bool) -> Any:
+    """``hf`` (eval mode) holding ``state``, every one of its tensors accounted for (a tied lm_head is the
+    embedding: tied after loading)."""
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [name for name in missing if not (tied and name == "lm_head.weight")]:
+        raise HFExportError(f"{type(hf).__name__} layout mismatch: missing {missing}, unexpected {unexpected}")
+    if tied:
+        hf.tie_weights()
     return hf.eval()
 
 
