@@ -92,6 +92,12 @@ def _temp_name(name: str) -> str:
     return f".{name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def is_partial(name: str) -> bool:
+    """Whether a file name is a temporary one (``_temp_name``): a file still being written, or left by a writer
+    killed mid-write."""
+    return name.startswith(".") and TEMP_MARK in name
+
+
 def local_path(uri: str | os.PathLike) -> Path:
     """The absolute local path of a local location (a path or a ``file://`` URI)."""
     text = os.fspath(uri)
@@ -230,14 +236,15 @@ class Location:
             raise StorageError(f"{self.uri}: no such file")
         return int(info.size)
 
-    def files(self, recursive: bool = True) -> list[str]:
-        """Paths of the files under this directory, relative to it, sorted (empty when there is none)."""
+    def files(self, recursive: bool = True, partial: bool = False) -> list[str]:
+        """Paths of the files under this directory, relative to it, sorted (empty when there is none). A file being
+        written (its temporary name, :meth:`open_output`) is not one yet: listed only with ``partial``."""
         selector = pafs.FileSelector(self.path, recursive=recursive, allow_not_found=True)
         base = self.path.rstrip("/") + "/"
         return sorted(
             i.path[len(base) :]
             for i in self.fs.get_file_info(selector)
-            if i.type == pafs.FileType.File and i.path.startswith(base)
+            if i.type == pafs.FileType.File and i.path.startswith(base) and (partial or not is_partial(i.base_name))
         )
 
     def dirs(self) -> list[str]:
@@ -370,7 +377,7 @@ def remove_partial_writes(directory: Location) -> int:
     (cluster/README.md, "Interrupted uploads")."""
     pattern = f".*{TEMP_MARK}*"  # the names _temp_name gives
     if directory.is_remote:
-        names = [name for name in directory.files() if PurePosixPath(name).match(pattern)]
+        names = [name for name in directory.files(partial=True) if is_partial(PurePosixPath(name).name)]
         for name in names:
             directory.join(name).delete()
         return len(names)

@@ -66,6 +66,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from remote_servers import FAKE_KEY_ID, FAKE_SECRET, make_bucket, moto_server
 
 from ground.dist import free_port
+from ground.storage import is_partial
 
 T = TypeVar("T")
 
@@ -434,13 +435,14 @@ def _teardown(started: MultiNodeCluster) -> None:
 
 
 def stored_output(uri: str) -> dict[str, bytes]:
-    """Every object under ``uri`` but the report (its timings differ run to run), by relative key: what two runs of
-    the pipeline must agree on byte for byte."""
+    """Every object under ``uri`` but the report (its timings differ run to run) and uploads' temporary objects (in
+    flight, gone any moment: ``ground.storage.is_partial``), by relative key: what two runs of the pipeline must
+    agree on byte for byte."""
     fs, base = pafs.FileSystem.from_uri(uri)
     out = {}
     for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
         name = info.path[len(base) + 1 :]
-        if info.type == pafs.FileType.File and not name.startswith("report."):
+        if info.type == pafs.FileType.File and not name.startswith("report.") and not is_partial(info.base_name):
             with fs.open_input_stream(info.path) as fh:
                 out[name] = fh.read()
     return out

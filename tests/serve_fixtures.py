@@ -108,9 +108,9 @@ def build_export(out: Path, steps: int = 150) -> Path:
     return write_export(model, tokenizer, out, lineage)
 
 
-def random_export(out: Path, seed: int = 0, **config: int) -> Path:
-    """An untrained GPT (any shape) with the cc_net tokenizer: for tests that need a long context or a slow
-    model rather than a good one (a 1024-token generation takes seconds, long enough to disconnect from)."""
+def random_export(out: Path, seed: int = 0, **config: Any) -> Path:
+    """An untrained GPT (any shape, either arch) with the cc_net tokenizer: for tests that need a long context or a
+    slow model rather than a good one (a 1024-token generation takes seconds, long enough to disconnect from)."""
     train_docs, _ = split_documents()
     tokenizer = train_tokenizer(train_docs)
     torch.manual_seed(seed)
@@ -147,6 +147,15 @@ def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def long_context_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("serve-models-long") / "long-context"
     return random_export(out, n_layer=4, n_head=4, n_embd=128, block_size=1024)
+
+
+@pytest.fixture(scope="session")
+def llama_long_context_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """long_context_export's size as a Llama-style model: grouped-query attention (2 k/v heads for 4 query heads)
+    and an untied output projection, so that serving it exercises every part of the llama export."""
+    out = tmp_path_factory.mktemp("serve-models-llama") / "long-context"
+    shape = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 1024}
+    return random_export(out, **shape, arch="llama", n_kv_head=2, tie_embeddings=False)
 
 
 @pytest.fixture(scope="session")

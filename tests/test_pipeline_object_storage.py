@@ -18,6 +18,8 @@ import pytest
 from conftest import REPO, sample_copies
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
 
+from ground.storage import is_partial
+
 pytestmark = pytest.mark.ray  # starts Ray (in this process or in the CLIs it runs)
 
 DEMO_CONFIG = REPO / "pipeline" / "configs" / "demo.yaml"
@@ -41,13 +43,14 @@ def cli(*args: str) -> list[str]:
 
 def bucket_files(prefix: str) -> dict[str, bytes]:
     """Every object under ``s3://BUCKET/prefix`` by relative key, read through pyarrow (the AWS variables point at
-    moto)."""
+    moto); an upload's temporary object (``ground.storage.is_partial``: an upload in flight, gone any moment) is not
+    one."""
     fs, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}")
     base = f"{BUCKET}/{prefix}/"
     infos = fs.get_file_info(pafs.FileSelector(base.rstrip("/"), recursive=True, allow_not_found=True))
     out = {}
     for info in infos:
-        if info.type == pafs.FileType.File:
+        if info.type == pafs.FileType.File and not is_partial(info.base_name):
             with fs.open_input_stream(info.path) as fh:
                 out[info.path[len(base) :]] = fh.read()
     return out
