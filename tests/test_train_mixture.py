@@ -5,6 +5,7 @@ bitwise resume, and the refusals (two tokenizers, a bad --data spec)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from remote_servers import moto_server, upload_dir, use_s3_endpoint
+from tokenizers import Tokenizer
 from train_fixtures import build_token_dir, tiny_overrides
 
 from ground.hashing import sha256_file
@@ -176,3 +178,32 @@ def test_data_flag_takes_a_weighted_mixture(tmp_path: Path, capsys: pytest.Captu
     assert load_config(None, overrides).data_dir == "runs/a"  # the first source: the export's tokenizer
     assert train_main(["--data", "web=runs/a", "--output", str(tmp_path)]) == 2
     assert "name=DIR:weight" in capsys.readouterr().err
+
+
+def test_each_source_is_evaluated_on_its_own_in_loss_and_bits_per_byte(
+    two_sources: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Every evaluation records val_loss over the sources together, and each source's own loss and bits per byte:
+    its nats over its val windows' target tokens, by their UTF-8 bytes (the text they decode to), by ln 2."""
+    web, books = two_sources
+    mixture = [{"name": "web", "path": str(web), "weight": 0.5}, {"name": "books", "path": str(books), "weight": 0.5}]
+    overrides = {"steps": 2, "data.eval_interval": 1, "checkpoint.enabled": False, "data.mixture": mixture}
+    config = load_config(None, tiny_overrides(web, tmp_path / "run", **overrides))
+    check_data(config)
+    trainer = Trainer.from_config(config, CPU)
+    fields = trainer.evaluate()
+    assert set(fields) == {"val_loss", "val_loss/web", "val_bpb/web", "val_loss/books", "val_bpb/books"}
+    tokenizer = Tokenizer.from_file(str(web / "tokenizer.json"))
+    val = trainer.train_batches.val_set(0).by_source["web"]
+    nats = text_bytes = 0.0
+    with torch.no_grad():
+        for batch in val:
+            logits, _ = trainer.gpt(batch.inputs)
+            nats += float(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="sum")
+            )
+            text_bytes += sum(len(tokenizer.decode(row.tolist()).encode()) for row in batch.targets)
+    assert fields["val_bpb/web"] == pytest.approx(nats / text_bytes / math.log(2), rel=1e-5)
+    train_to_completion(trainer)
+    last = read_metrics(tmp_path / "run")[-1]
+    assert {"val_loss/web", "val_bpb/web", "val_loss/books", "val_bpb/books"} <= set(last)

@@ -99,7 +99,8 @@ def rank1(ddp_config: TrainConfig) -> Iterator[TrainTelemetry]:
 def test_scrape_reports_exactly_what_the_steps_recorded(rank1: TrainTelemetry) -> None:
     before = time.time()
     fed = [
-        record(0, mfu=0.31, val_loss=4.5, peak_mem_bytes=[100, 200], state_bytes=[10, 20], peak_rss_bytes=[7, 9]),
+        record(0, mfu=0.31, val_loss=4.5, peak_mem_bytes=[100, 200], state_bytes=[10, 20], peak_rss_bytes=[7, 9],
+               **{"val_loss/web": 4.4, "val_bpb/web": 1.25, "val_loss/books": 4.7, "val_bpb/books": 1.4}),
         record(1, step_time_s=0.8, sync_wait_s=0.05, skipped=True, checkpoints=[{"checkpoint": "c1"}],
                checkpoint_stall_s=0.25),
         record(2, loss=float("nan"), grad_norm=float("inf"), skipped=True, step_time_s=0.6, rolled_back_to=0,
@@ -129,6 +130,9 @@ def test_scrape_reports_exactly_what_the_steps_recorded(rank1: TrainTelemetry) -
     assert math.isnan(value(s, "raylm_train_loss"))
     assert value(s, "raylm_train_grad_norm") == math.inf
     assert value(s, "raylm_train_val_loss") == 4.5  # the latest evaluation's, kept between evaluations
+    loss = {lab["source"]: v for lab, v in s["raylm_train_source_val_loss"]}
+    bpb = {lab["source"]: v for lab, v in s["raylm_train_source_val_bpb"]}
+    assert loss == {"web": 4.4, "books": 4.7} and bpb == {"web": 1.25, "books": 1.4}  # labelled by source
 
     assert value(s, "raylm_train_step_time_seconds_total") == pytest.approx(sum(r["step_time_s"] for r in fed))
     assert value(s, "raylm_train_sync_wait_seconds_total") == pytest.approx(sum(r["sync_wait_s"] for r in fed))
@@ -268,7 +272,8 @@ def test_training_dashboard_is_provisionable_json_with_the_required_panels() -> 
         "raylm_train_data_wait_seconds_total", "raylm_train_sync_wait_seconds_total",
         "raylm_train_last_checkpoint_timestamp_seconds", "raylm_train_checkpoint_stall_seconds",
         "raylm_train_steps_skipped_total", "raylm_train_rollbacks_total", "raylm_train_memory_peak_bytes",
-        "raylm_train_cost_usd_per_hour", "raylm_train_steps_planned",
+        "raylm_train_cost_usd_per_hour", "raylm_train_steps_planned", "raylm_train_source_val_loss",
+        "raylm_train_source_val_bpb",
     ):  # fmt: skip
         assert needle in exprs, needle
     for panel in panels:
@@ -400,7 +405,7 @@ def test_every_training_dashboard_panel_query_returns_data(nan_run: dict[str, An
             # Grafana's variables as Grafana expands them for this run and a 1 s scrape interval. No panel is
             # allowed to be empty here: the event counters (skipped steps, rollbacks) exist from the start at 0,
             # the run saved checkpoints and evaluated, and the MFU has a configured peak.
-            expr = target["expr"].replace("$__rate_interval", "1m").replace("$run", RUN_ID)
+            expr = target["expr"].replace("$__rate_interval", "1m").replace("$run", RUN_ID).replace("$source", ".*")
             assert query(prom, expr), f"panel {panel['title']!r}: no data for {expr}"
             checked += 1
     assert checked >= 20

@@ -12,13 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
 from checkpoints.checkpointer import Checkpointer
 from checkpoints.store import LocalStore, RayStore
 from train.config import TrainConfig
-from train.context_schedule import PhasedBatches, context_phases
+from train.context_schedule import PhasedBatches, ValSet, context_phases
 from train.data import TrainBatches, ValBatches
 from train.determinism import make_deterministic, settle_vector_math
 from train.fim import FimTransform
@@ -29,6 +30,7 @@ from train.optim import build_optimizer
 from train.parallel import DistContext, apply_strategy, compile_model
 from train.run_dir import RunDir
 from train.shard_verify import ShardVerifier
+from train.token_bytes import token_byte_lengths
 
 if TYPE_CHECKING:
     from train.telemetry import TrainTelemetry
@@ -68,6 +70,7 @@ def build_model(config: TrainConfig, ctx: DistContext) -> ModelParts:
 class DataParts:
     train: PhasedBatches  # train and val batches, one loader of each per context phase (one without a schedule)
     verifier: ShardVerifier | None  # shared by all; its owner (the trainer) closes it
+    token_bytes: np.ndarray | None  # bytes each token id stands for (train.token_bytes): bits per byte's denominator
 
 
 def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run_dir: RunDir) -> DataParts:
@@ -96,8 +99,15 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
             prefetch_steps=ahead, verifier=verifier, fim=fim, phase=phase.index,
         )  # fmt: skip
         train.append(loader)
-        val.append(ValBatches(sources, block, micro, data.eval_sequences, rank, world, ctx.device, verifier=verifier))
-    return DataParts(PhasedBatches(phases, train, val), verifier)
+
+        def val_of(of: list[Source], block: int = block, micro: int = micro) -> ValBatches:
+            return ValBatches(of, block, micro, data.eval_sequences, rank, world, ctx.device, verifier=verifier)
+
+        combined = val_of(sources)
+        by_source = {s.name: val_of([s]) for s in sources} if len(sources) > 1 else {sources[0].name: combined}
+        val.append(ValSet(combined, by_source))
+    token_bytes = token_byte_lengths(sources[0].manifest.tokenizer_file())
+    return DataParts(PhasedBatches(phases, train, val), verifier, token_bytes)
 
 
 def build_checkpointer(

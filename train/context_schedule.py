@@ -48,11 +48,20 @@ def context_phases(config: TrainConfig) -> list[Phase]:
     return phases
 
 
+@dataclass(frozen=True)
+class ValSet:
+    """A phase's validation windows: every source's together (``val_loss``), and each source's own (the one source
+    of a run without a mixture is the same set)."""
+
+    combined: ValBatches
+    by_source: dict[str, ValBatches]
+
+
 class PhasedBatches:
     """The rank's train and val batches of every phase; ``load(data_step)`` serves a step from its phase's loader
     (each a ``TrainBatches`` of the phase's block size, counting steps from the phase's start)."""
 
-    def __init__(self, phases: Sequence[Phase], train: Sequence[TrainBatches], val: Sequence[ValBatches]) -> None:
+    def __init__(self, phases: Sequence[Phase], train: Sequence[TrainBatches], val: Sequence[ValSet]) -> None:
         self.phases, self.train, self.val = list(phases), list(train), list(val)
         self._starts = [p.start for p in self.phases]
 
@@ -79,7 +88,7 @@ class PhasedBatches:
         loader, local = self._local(data_step)
         return loader.read_step(local)
 
-    def val_batches(self, data_step: int) -> ValBatches:
+    def val_set(self, data_step: int) -> ValSet:
         """The validation windows of the phase of ``data_step`` (of its block size)."""
         return self.val[self.phase(data_step).index]
 

@@ -35,13 +35,19 @@ POLL_S = 1.0
 REMOTE_POLL_S = 10.0  # rank 0 uploads metrics.jsonl at reports and checkpoints only: polling faster finds nothing
 
 
-def describe(record: dict[str, Any], val_loss: float | None, usd_per_hour: float | None = None) -> str:
-    """The numbers after the bar: loss, val loss (the latest known), tokens/s, and with a price the cost of 1B
-    tokens at that speed."""
+def describe(
+    record: dict[str, Any], val_loss: float | None, usd_per_hour: float | None = None, val_bpb: dict | None = None
+) -> str:
+    """The numbers after the bar: loss, val loss (the latest known) with each source's bits per byte, tokens/s, and
+    with a price the cost of 1B tokens at that speed."""
     loss = record.get("loss")
     parts = [f"loss {loss:.4f}" if isinstance(loss, float) else "loss nan"]
     if val_loss is not None:
-        parts.append(f"val {val_loss:.4f}")
+        bpb = val_bpb or {}
+        per_source = f" {next(iter(bpb.values())):.3f} bpb" if len(bpb) == 1 else ""
+        if len(bpb) > 1:
+            per_source = " (" + ", ".join(f"{name} {value:.3f}" for name, value in bpb.items()) + " bpb)"
+        parts.append(f"val {val_loss:.4f}{per_source}")
     tokens_per_s = record.get("tokens_per_s", 0.0)
     parts.append(f"{tokens_per_s:,.0f} tok/s")
     per_billion = None if usd_per_hour is None else usd_per_unit(usd_per_hour, tokens_per_s, per=1e9)
@@ -84,6 +90,7 @@ class RunProgress:
         self._task = self._progress.add_task("train", total=total_steps, numbers="")
         self._offset = 0
         self._val_loss: float | None = None
+        self._val_bpb: dict[str, float] = {}
         self._last: dict[str, Any] | None = None
         self._last_log = time.monotonic()
         self._stop = threading.Event()
@@ -124,6 +131,8 @@ class RunProgress:
                 continue
             if record.get("val_loss") is not None:
                 self._val_loss = record["val_loss"]
+                bpb = {k.removeprefix("val_bpb/"): v for k, v in record.items() if k.startswith("val_bpb/")}
+                self._val_bpb = {k: v for k, v in bpb.items() if v is not None}
             if "loss" in record:
                 self._last = record
         if self._last is not None:
@@ -131,7 +140,7 @@ class RunProgress:
         return self._last
 
     def _show(self, record: dict[str, Any]) -> None:
-        numbers = describe(record, self._val_loss, self.usd_per_hour)
+        numbers = describe(record, self._val_loss, self.usd_per_hour, self._val_bpb)
         self._progress.update(self._task, completed=record["step"] + 1, numbers=numbers)
         now = time.monotonic()
         if not self.console.is_terminal and now - self._last_log >= self.log_every_s:

@@ -41,7 +41,8 @@ Names as Prometheus sees them (OTel instrument -> Prometheus series):
     raylm.train.memory.peak               gauge By   -> raylm_train_memory_peak_bytes (CUDA peak; CPU: state held)
     raylm.train.memory.state              gauge By   -> raylm_train_memory_state_bytes (params+grads+optimizer held)
     raylm.train.memory.peak_rss           gauge By   -> raylm_train_memory_peak_rss_bytes
-    (prometheus_client, see below)        gauges     -> raylm_train_loss, raylm_train_val_loss, raylm_train_grad_norm
+    (prometheus_client, see below)        gauges     -> raylm_train_loss, raylm_train_val_loss, raylm_train_grad_norm,
+                                                    raylm_train_source_val_loss and _val_bpb (label source)
 
 Per-step times are counters of seconds rather than gauges of the last step: a scrape every 15 s would see one
 step in hundreds, while ``rate(x_seconds_total) / rate(raylm_train_steps_total)`` is the mean over every step in
@@ -81,6 +82,15 @@ NON_FINITE_GAUGES = {
     "raylm_train_val_loss": "Validation loss of the latest evaluation.",
     "raylm_train_grad_norm": "Global gradient norm of the step just finished, before clipping (NaN/Inf as reported).",
 }
+
+
+# Per data source, labelled ``source`` (the mixture's source names; ``data`` for one pipeline output), set at each
+# evaluation from the record's ``val_loss/<source>`` and ``val_bpb/<source>``.
+SOURCE_GAUGES = {
+    "raylm_train_source_val_loss": "Validation loss of one data source at the latest evaluation.",
+    "raylm_train_source_val_bpb": "Validation bits per byte of one data source at the latest evaluation.",
+}
+SOURCE_FIELDS = {"val_loss/": "raylm_train_source_val_loss", "val_bpb/": "raylm_train_source_val_bpb"}
 
 
 # OTel instruments, key -> (kind, name, unit, description); the module docstring lists them as Prometheus names
@@ -185,6 +195,10 @@ class TrainTelemetry:
         self.last_values.set("raylm_train_grad_norm", grad_norm)
         if record.get("val_loss") is not None:
             self.last_values.set("raylm_train_val_loss", float(record["val_loss"]))
+        for key, value in record.items():
+            prefix = key[: key.find("/") + 1]
+            if prefix in SOURCE_FIELDS and value is not None:
+                self.last_values.set(SOURCE_FIELDS[prefix], float(value), source=key[len(prefix) :])
 
         counters, gauges = self.counters, self.gauges
         gauges["step"].set(int(record["step"]), a)
@@ -265,25 +279,34 @@ class _LastValues:
 
     def __init__(self, labels: dict[str, str]) -> None:
         self._labels = labels
-        self._values: dict[str, float] = {}
+        self._values: dict[tuple[str, str | None], float] = {}  # (gauge, source or None) -> latest value
         self._lock = threading.Lock()  # written by the training thread, read by the scrape server's
 
-    def set(self, name: str, value: float) -> None:
-        if name not in NON_FINITE_GAUGES:
-            raise KeyError(f"unknown gauge {name!r}; known: {sorted(NON_FINITE_GAUGES)}")
+    def set(self, name: str, value: float, source: str | None = None) -> None:
+        """The latest value of gauge ``name``; ``source`` for a per-source gauge (SOURCE_GAUGES)."""
+        known = SOURCE_GAUGES if source is not None else NON_FINITE_GAUGES
+        if name not in known:
+            raise KeyError(f"unknown gauge {name!r}; known: {sorted(known)}")
         with self._lock:
-            self._values[name] = value
+            self._values[name, source] = value
+
+    def _families(self) -> Iterator[tuple[str, GaugeMetricFamily]]:
+        for name, documentation in NON_FINITE_GAUGES.items():
+            yield name, GaugeMetricFamily(name, documentation, labels=list(self._labels))
+        for name, documentation in SOURCE_GAUGES.items():
+            yield name, GaugeMetricFamily(name, documentation, labels=[*self._labels, "source"])
 
     def describe(self) -> Iterator[Metric]:
         # Names only: lets the registry reject a clash with the OTel collector's names at registration.
-        for name, documentation in NON_FINITE_GAUGES.items():
-            yield GaugeMetricFamily(name, documentation, labels=list(self._labels))
+        for _, family in self._families():
+            yield family
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             values = dict(self._values)
-        for name, documentation in NON_FINITE_GAUGES.items():
-            if name in values:
-                family = GaugeMetricFamily(name, documentation, labels=list(self._labels))
-                family.add_metric(list(self._labels.values()), values[name])
+        for name, family in self._families():
+            mine = sorted((source, value) for (gauge, source), value in values.items() if gauge == name)
+            for source, value in mine:
+                family.add_metric([*self._labels.values(), *([source] if source is not None else [])], value)
+            if mine:
                 yield family

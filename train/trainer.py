@@ -176,6 +176,8 @@ class Trainer(Stateful):
         self.flops_per_token = model.flops_per_token
         self.run_dir = run_dir
         self.train_batches, self.verifier = data.train, data.verifier
+        # Bytes per token id, for bits per byte (None: the tokenizer is not byte-level; then none is reported).
+        self.token_bytes = torch.from_numpy(data.token_bytes) if data.token_bytes is not None else None
         self.guard, self.checkpointer, self.resuming = guard, checkpointer, resuming
         self.metrics, self.profiler, self.telemetry = metrics, profiler, telemetry
         self.on_step_end, self.on_hang = on_step_end, on_hang
@@ -199,8 +201,8 @@ class Trainer(Stateful):
 
     @property
     def val_batches(self) -> ValBatches:
-        """The validation windows of the current context phase (of its block size)."""
-        return self.train_batches.val_batches(self.data_step)
+        """The validation windows of the current context phase (of its block size), every source's together."""
+        return self.train_batches.val_set(self.data_step).combined
 
     @property
     def data_step(self) -> int:
@@ -310,7 +312,7 @@ class Trainer(Stateful):
         interval = self.config.data.eval_interval
         if last or (interval > 0 and (step + 1) % interval == 0):
             self._progress(f"evaluation after step {step}")
-            record["val_loss"] = self.evaluate()
+            record.update(self.evaluate())
         if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
             self.check_replicas()
         # After a rollback the state is the restored checkpoint's, already saved: nothing new to checkpoint.
@@ -340,7 +342,7 @@ class Trainer(Stateful):
             if "val_loss" not in record and self.val_batches:
                 # Ray's retention orders checkpoints by val_loss, so every checkpoint carries one.
                 self._progress(f"evaluation for the checkpoint after step {record['step']}")
-                record["val_loss"] = self.evaluate()
+                record.update(self.evaluate())
             self._progress(f"checkpoint save after step {record['step']}")
             info = {"tokens_seen": self.step * self.tokens_per_step, "data_step": self.data_step}
             if record.get("val_loss") is not None:
@@ -491,22 +493,44 @@ class Trainer(Stateful):
         return skipped
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        if not self.val_batches:
-            return None
+    def evaluate(self) -> dict[str, float | None]:
+        """The validation record: ``val_loss`` over every source's val windows together, and for each source (the
+        one source of a run without a mixture too) ``val_loss/<name>`` and ``val_bpb/<name>``, bits per byte (total
+        nats over its windows' target tokens / their UTF-8 bytes / ln 2: comparable across tokenizers); no val
+        split: ``val_loss`` None."""
+        val = self.train_batches.val_set(self.data_step)
+        if not val.combined:
+            return {"val_loss": None}
+        combined = self._val_totals(val.combined)
+        fields: dict[str, float | None] = {"val_loss": float(combined[0] / combined[1])}
+        for name, batches in val.by_source.items():
+            if not batches:  # this source's val split holds no window of the block size
+                continue
+            totals = combined if batches is val.combined else self._val_totals(batches)
+            fields[f"val_loss/{name}"] = float(totals[0] / totals[1])
+            if self.token_bytes is not None:
+                fields[f"val_bpb/{name}"] = float(totals[2] / totals[3]) / math.log(2)
+        return fields
+
+    def _val_totals(self, batches: ValBatches) -> torch.Tensor:
+        """(sum of sequence losses, sequences, nats, target bytes) over ``batches``, summed across ranks (a
+        collective: with FSDP every forward is one, and every rank runs as many batches)."""
         self.model.eval()
-        totals = torch.zeros(2, device=self.ctx.device)  # (sum of sequence losses, sequences)
-        with torch.no_grad():
-            for batch in self.val_batches:
-                with self._autocast():
-                    _, loss = self.model(batch.inputs, batch.targets)
-                totals[0] += loss.float() * batch.inputs.shape[0]
-                totals[1] += batch.inputs.shape[0]
+        totals = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
+        for batch in batches:
+            with self._autocast():
+                _, loss = self.model(batch.inputs, batch.targets)
+            loss = loss.double()
+            totals[0] += loss * batch.inputs.shape[0]
+            totals[1] += batch.inputs.shape[0]
+            totals[2] += loss * batch.targets.numel()
+            if self.token_bytes is not None:
+                totals[3] += self.token_bytes[batch.targets.cpu()].sum().item()
         # No backward follows: FSDP blocks that keep their parameters after forward free them here.
         reshard(self.model)
         self.model.train()
         self.ctx.all_reduce(totals)
-        return float(totals[0] / totals[1])
+        return totals
 
     def check_replicas(self) -> list[str]:
         """Digests of what each rank holds; ranks holding replicas (single, DDP) must agree. FSDP ranks
