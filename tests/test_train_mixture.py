@@ -24,7 +24,7 @@ from train.data import TrainBatches
 from train.final import train_to_completion
 from train.manifest import load_manifest
 from train.metrics import read_metrics
-from train.mixture import Source, cumulative_counts, load_sources, parse_mixture
+from train.mixture import MixtureWeights, Source, cumulative_counts, load_sources, parse_mixture
 from train.parallel import DistContext
 from train.preflight import PreflightError, check_data
 from train.trainer import Trainer
@@ -207,3 +207,76 @@ def test_each_source_is_evaluated_on_its_own_in_loss_and_bits_per_byte(
     train_to_completion(trainer)
     last = read_metrics(tmp_path / "run")[-1]
     assert {"val_loss/web", "val_bpb/web", "val_loss/books", "val_bpb/books"} <= set(last)
+
+
+# ---- schedules: weights as a function of the step -----------------------------------------------------------------
+
+
+def test_a_scheduled_mixture_anneals_and_brings_a_source_in_at_its_step() -> None:
+    """Quality annealing (web 0.7 -> 0.3, books 0.3 -> 0.7 over steps 60..80) and code brought in at step 40: each
+    step's counts follow the step's weights, never decrease, and add up to the global batch."""
+    raw = [0.7, 0.3, 0.0]
+    schedules = [((60, 0.7), (80, 0.3)), ((60, 0.3), (80, 0.7)), ((40, 0.0), (41, 0.2))]
+    weights = MixtureWeights(raw, schedules)
+    batch, previous = 32, np.zeros(3, dtype=np.int64)
+    for step in range(1, 120):
+        counts = weights.counts(step, batch)
+        assert (counts >= previous).all() and counts.sum() == batch * step
+        expected = sum(weights.at(t) for t in range(step)) * batch  # the shares summed step by step
+        assert np.abs(counts - expected).max() <= len(raw) - 1  # within a sequence per other source
+        previous = counts
+    assert weights.counts(41, batch)[2] == 0 and weights.counts(45, batch)[2] > 0  # code: none before step 41
+    np.testing.assert_allclose(weights.at(30), [0.7, 0.3, 0.0])
+    np.testing.assert_allclose(weights.at(100), np.array([0.3, 0.7, 0.2]) / 1.2)  # normalised, held after the end
+    fixed = MixtureWeights([0.7, 0.3], [(), ()])
+    assert all((fixed.counts(t, batch) == cumulative_counts(t, batch, np.array([0.7, 0.3]))).all() for t in range(50))
+
+
+def test_a_scheduled_mixture_resumes_bitwise_and_records_its_schedule(
+    two_sources: tuple[Path, Path], tmp_path: Path
+) -> None:
+    web, books = two_sources
+    mixture = [{"name": "web", "path": str(web), "weight": 1.0},
+               {"name": "books", "path": str(books), "weight": 0.0,
+                "schedule": [{"step": 3, "weight": 0.0}, {"step": 5, "weight": 1.0}]}]  # fmt: skip
+
+    def config(out: Path, **extra: object):
+        overrides = tiny_overrides(web, out, steps=8, **{"checkpoint.interval_steps": 4, "data.mixture": mixture})
+        cfg = load_config(None, overrides | extra)
+        check_data(cfg)
+        return cfg
+
+    torch.set_num_threads(1)
+    reference = Trainer.from_config(config(tmp_path / "ref"), CPU)
+    books_from = len(reference.train_batches.final.windows) - reference.train_batches.final.sizes[1]
+    per_step = [(reference.train_batches.final.window_ids(step) >= books_from).sum() for step in range(8)]
+    assert per_step[:4] == [0, 0, 0, 0] and per_step[5] > 0  # books come in from step 4 on, by its schedule
+    info = train_to_completion(reference)
+    assert info["data_sources"][1]["schedule"] == [{"step": 3, "weight": 0.0}, {"step": 5, "weight": 1.0}]
+    first = Trainer.from_config(config(tmp_path / "run"), CPU)
+    for _ in range(5):
+        first.run_step()
+    first.checkpointer.close()
+    resumed = Trainer.from_config(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
+    resumed.train()
+    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
+    assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
+
+
+@pytest.mark.parametrize(
+    ("entry", "named"),
+    [
+        ({"weight": 0.5, "schedule": [{"step": 5, "weight": 1}, {"step": 5, "weight": 2}]}, "steps must increase"),
+        ({"weight": 0.0}, "weight 0 and no schedule that raises it"),
+        ({"weight": 0.0, "schedule": [{"step": 5, "weight": 0.0}]}, "weight 0 and no schedule that raises it"),
+    ],
+)
+def test_a_schedule_that_cannot_be_followed_is_refused_naming_the_source(entry: dict, named: str) -> None:
+    mixture = [{"name": "web", "path": "a", "weight": 1.0}, {"name": "books", "path": "b", **entry}]
+    with pytest.raises(ValueError, match=f"'books'.*{named}|{named}"):
+        load_config(None, {"data.mixture": mixture})
+    # Each source falls to 1/21 of the batch at one end of the schedule: the one taking the rest could lose a count.
+    swap = [{"name": "web", "path": "a", "weight": 1.0, "schedule": [{"step": 10, "weight": 0.05}]},
+            {"name": "books", "path": "b", "weight": 0.05, "schedule": [{"step": 10, "weight": 1.0}]}]  # fmt: skip
+    with pytest.raises(ValueError, match="too small to mix 2 sources"):
+        load_config(None, {"data.global_batch_size": 8, "data.micro_batch_size": 8, "data.mixture": swap})

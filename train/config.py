@@ -18,6 +18,7 @@ from checkpoints.config import CheckpointConfig
 from ground.cost import CostConfig
 from ground.overrides import ConfigError, build, load
 from ground.scrape_targets import DEFAULT_SD_DIR
+from train.mixture import MixtureWeights
 from train.model import GPTConfig
 
 # The parallelism strategies, declared once: the CLI's choices, the launcher, the planner's memory
@@ -45,6 +46,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "ProfileConfig",
     "Strategy",
     "TrainConfig",
+    "WeightPoint",
     "config_from_dict",
     "load_config",
 ]
@@ -55,10 +57,27 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class WeightPoint(_Section):
+    step: int = Field(gt=0)
+    weight: float = Field(ge=0)
+
+
 class MixtureSource(_Section):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)  # a pipeline output dir
-    weight: float = Field(gt=0)  # relative: the weights are normalised to sum to 1
+    weight: float = Field(ge=0)  # relative: the weights are normalised to sum to 1 (each step's, with schedules)
+    # The weight from step 0 on, changing linearly to each point's weight at its step, constant after the last
+    # (train.mixture): quality annealing, or a source brought in at a step from weight 0.
+    schedule: list[WeightPoint] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _weight_used(self) -> MixtureSource:
+        steps = [p.step for p in self.schedule]
+        if any(b <= a for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"data.mixture {self.name!r}: schedule steps must increase, got {steps}")
+        if self.weight == 0 and not any(p.weight > 0 for p in self.schedule):
+            raise ValueError(f"data.mixture {self.name!r}: weight 0 and no schedule that raises it: never trained on")
+        return self
 
 
 class DataConfig(_Section):
@@ -258,12 +277,14 @@ class TrainConfig(_Section):
             self.data_dir = self.data_dir or d.mixture[0].path
             if self.data_dir != d.mixture[0].path:
                 raise ValueError("with data.mixture, data_dir is the first source's path (or leave it unset)")
-            # The heaviest source takes each step's remainder (train.mixture): that needs a non-negative count.
-            share = max(m.weight for m in d.mixture) / sum(m.weight for m in d.mixture)
-            if d.global_batch_size * share < len(d.mixture) - 1:
+            # One source takes each step's remainder (train.mixture): that needs a non-negative count.
+            weights = MixtureWeights([m.weight for m in d.mixture], [tuple((p.step, p.weight) for p in m.schedule)
+                                                                     for m in d.mixture])  # fmt: skip
+            if d.global_batch_size * weights.smallest_rest_share() < len(d.mixture) - 1:
                 raise ValueError(
                     f"global_batch_size {d.global_batch_size} is too small to mix {len(d.mixture)} sources: "
-                    f"it needs global_batch_size × (largest weight share) >= sources - 1"
+                    "it needs global_batch_size × (the largest source's smallest weight share over the schedule) "
+                    ">= sources - 1"
                 )
         if self.context_schedule:
             self._check_context_schedule()

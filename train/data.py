@@ -43,7 +43,7 @@ import torch
 from ground.cache import fetch_verified
 from train.fim import FimTransform
 from train.manifest import Manifest, Shard
-from train.mixture import Source, cumulative_counts
+from train.mixture import MixtureWeights, Source
 from train.shard_verify import DaemonPool, ShardVerifier
 
 CLOSE_JOIN_S = 10.0  # close() waits at most this long for the read under way (it may wait on a shard's hashing)
@@ -137,15 +137,15 @@ def mixture_rank_windows(
     micro_batch_size: int,
     grad_accum: int,
     sizes: Sequence[int],
-    weights: np.ndarray,
+    weights: MixtureWeights,
 ) -> np.ndarray:
     """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
     shape (grad_accum, micro_batch_size): the step's global batch is each source's next sequences, source
-    after source (``train.mixture.cumulative_counts``), and the rank takes its contiguous slice of it."""
+    after source (``train.mixture.MixtureWeights.counts``), and the rank takes its contiguous slice of it."""
     per_rank = micro_batch_size * grad_accum
     global_batch = per_rank * world_size
-    before = cumulative_counts(step, global_batch, weights)
-    after = cumulative_counts(step + 1, global_batch, weights)
+    before = weights.counts(step, global_batch)
+    after = weights.counts(step + 1, global_batch)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     parts = [
         offsets[s]
@@ -207,7 +207,7 @@ class TrainBatches:
                 raise ValueError(
                     f"no train shard of {source.manifest.root} holds block_size + 1 = {block_size + 1} tokens"
                 )
-        self.weights = np.array([s.weight for s in self.sources])
+        self.weights = MixtureWeights.of(self.sources)
         shards = [shard for s in self.sources for shard in s.manifest.split("train")]
         self.windows = WindowIndex(shards, block_size, verifier)
         self.dtype = self.sources[0].manifest.dtype

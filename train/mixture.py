@@ -11,6 +11,14 @@ own seeded order. So the tokens a rank sees stay a pure function of (seed, step,
 step remains the whole data state: resume is bitwise, as with one source.
 
 The sources must share one tokenizer (the same file, by sha256), since the model has one embedding table.
+
+**Schedules.** A source's weight can change with the step (``schedule: [{step, weight}]``): ``weight`` at step 0,
+then linear to each point's weight at its step, constant after the last; a weight of 0 leaves a source out until
+its schedule brings it in. That is the chapter's curriculum: quality annealing (web 0.7 -> 0.3 and books 0.3 -> 0.7
+over the last steps) and a source introduced at a step. The weights of step t are normalised to sum to 1, and the
+cumulative counts become ``C_s(t) = floor(G · sum of w_s over steps 0..t-1)`` (prefix sums, computed once up to the
+last point), one source, the one whose smallest weight is largest, taking the rest: still whole, never decreasing,
+within one sequence of the schedule's share, and a pure function of the step.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ from train.manifest import DataError, Manifest, load_manifest
 class Source:
     name: str
     manifest: Manifest
-    weight: float  # normalised: the weights of a mixture sum to 1
+    weight: float  # normalised: the weights of a mixture sum to 1 (at step 0, for a scheduled mixture)
+    # (step, weight) points after step 0, the weights relative as in the config (see the module docstring).
+    schedule: tuple[tuple[int, float], ...] = ()
+    raw_weight: float | None = None  # the config's weight at step 0, before normalising (a scheduled mixture's)
 
 
 def parse_mixture(spec: str) -> list[dict[str, Any]]:
@@ -55,7 +66,11 @@ def load_sources(data_dir: str, mixture: list[Any]) -> list[Source]:
     if not mixture:
         return [Source("data", load_manifest(data_dir), 1.0)]
     total = sum(entry.weight for entry in mixture)
-    sources = [Source(entry.name, load_manifest(entry.path), entry.weight / total) for entry in mixture]
+    sources = [
+        Source(entry.name, load_manifest(entry.path), entry.weight / total,
+               tuple((p.step, p.weight) for p in entry.schedule), entry.weight)
+        for entry in mixture
+    ]  # fmt: skip
     first = sources[0]
     for other in sources[1:]:
         a, b = first.manifest, other.manifest
@@ -76,16 +91,23 @@ def data_lineage_sha256(sources: list[Source]) -> str:
     mixtures), else a hash of every source's name, manifest sha256 and weight."""
     if len(sources) == 1 and sources[0].weight == 1.0:
         return sources[0].manifest.sha256
-    described = [[s.name, s.manifest.sha256, round(s.weight, 12)] for s in sources]
+    described: list[list[Any]] = [[s.name, s.manifest.sha256, round(s.weight, 12)] for s in sources]
+    for entry, source in zip(described, sources, strict=True):
+        if source.schedule:  # a fixed mixture's hash stays what it was before schedules existed
+            entry.append([[step, round(weight, 12)] for step, weight in source.schedule])
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
 def describe(sources: list[Source]) -> list[dict[str, Any]]:
     """The sources as recorded in final.json and the export's lineage."""
-    return [
-        {"name": s.name, "path": str(s.manifest.root), "manifest_sha256": s.manifest.sha256, "weight": s.weight}
-        for s in sources
-    ]
+    described = []
+    for s in sources:
+        entry: dict[str, Any] = {"name": s.name, "path": str(s.manifest.root), "manifest_sha256": s.manifest.sha256,
+                                 "weight": s.weight}  # fmt: skip
+        if s.schedule:
+            entry["schedule"] = [{"step": step, "weight": weight} for step, weight in s.schedule]
+        described.append(entry)
+    return described
 
 
 def cumulative_counts(steps: int, global_batch: int, weights: np.ndarray) -> np.ndarray:
@@ -94,3 +116,55 @@ def cumulative_counts(steps: int, global_batch: int, weights: np.ndarray) -> np.
     heaviest = int(np.argmax(weights))
     counts[heaviest] = steps * global_batch - (counts.sum() - counts[heaviest])
     return counts
+
+
+class MixtureWeights:
+    """The step's weights of every source and the cumulative counts they give (the module docstring): fixed weights
+    by the closed form, scheduled ones by prefix sums up to the last point of any schedule."""
+
+    def __init__(self, raw: list[float], schedules: list[tuple[tuple[int, float], ...]]) -> None:
+        self.scheduled = any(schedules)
+        if not self.scheduled:
+            self.fixed = np.asarray(raw, dtype=np.float64) / sum(raw)
+            self.rest = int(np.argmax(self.fixed))
+            return
+        self.horizon = max(step for points in schedules for step, _ in points) + 1
+        steps = np.arange(self.horizon + 1, dtype=np.float64)
+        columns = []
+        for start, points in zip(raw, schedules, strict=True):
+            xs = [0.0, *(float(step) for step, _ in points)]
+            columns.append(np.interp(steps, xs, [start, *(weight for _, weight in points)]))
+        table = np.stack(columns, axis=1)
+        totals = table.sum(axis=1)
+        if (totals <= 0).any():
+            first = int(np.flatnonzero(totals <= 0)[0])
+            raise ValueError(f"data.mixture: every source's weight is 0 at step {first}")
+        self.table = table / totals[:, None]  # row t: the weights of step t (the last row holds from then on)
+        self.prefix = np.concatenate([np.zeros((1, len(raw))), np.cumsum(self.table[:-1], axis=0)])
+        self.rest = int(np.argmax(self.table.min(axis=0)))
+
+    def at(self, step: int) -> np.ndarray:
+        """The normalised weights of ``step``."""
+        return self.fixed if not self.scheduled else self.table[min(step, self.horizon)]
+
+    def smallest_rest_share(self) -> float:
+        """The smallest weight of the source that takes each step's rest: times the global batch, it must be at
+        least sources - 1, or that source's count could fall (checked in the train config)."""
+        return float(self.fixed[self.rest] if not self.scheduled else self.table[:, self.rest].min())
+
+    def counts(self, steps: int, global_batch: int) -> np.ndarray:
+        """Sequences each source has contributed after ``steps`` steps."""
+        if not self.scheduled:
+            return cumulative_counts(steps, global_batch, self.fixed)
+        if steps <= self.horizon:
+            shares = self.prefix[steps]
+        else:
+            shares = self.prefix[self.horizon] + (steps - self.horizon) * self.table[self.horizon]
+        counts = np.floor(global_batch * shares + 1e-9).astype(np.int64)
+        counts[self.rest] = steps * global_batch - (counts.sum() - counts[self.rest])
+        return counts
+
+    @classmethod
+    def of(cls, sources: list[Source]) -> MixtureWeights:
+        raw = [s.raw_weight if s.raw_weight is not None else s.weight for s in sources]
+        return cls(raw, [s.schedule for s in sources])
