@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +282,49 @@ def test_a_schedule_that_cannot_be_followed_is_refused_naming_the_source(entry: 
             {"name": "books", "path": "b", "weight": 0.05, "schedule": [{"step": 10, "weight": 1.0}]}]  # fmt: skip
     with pytest.raises(ValueError, match="too small to mix 2 sources"):
         load_config(None, {"data.global_batch_size": 8, "data.micro_batch_size": 8, "data.mixture": swap})
+
+
+# ---- held-out text sets -----------------------------------------------------------------------------------------
+
+GSM8K = REPO / "data" / "eval-sets" / "gsm8k-test.jsonl"
+
+
+def test_a_heldout_set_is_evaluated_beside_the_val_split_in_loss_and_bits_per_byte(
+    token_dir: Path, tmp_path: Path
+) -> None:
+    """GSM8K's test questions (the set the repository ships) as a held-out yardstick: its windows are the questions'
+    tokens, each followed by EOT, and every evaluation scores them like a source."""
+    heldout = [{"name": "gsm8k", "path": str(GSM8K), "field": "question"}]
+    overrides = {"steps": 1, "checkpoint.enabled": False, "data.heldout": heldout}
+    config = load_config(None, tiny_overrides(token_dir, tmp_path / "run", **overrides))
+    check_data(config)
+    trainer = Trainer.from_config(config, CPU)
+    fields = trainer.evaluate()
+    assert set(fields) == {"val_loss", "val_loss/data", "val_bpb/data", "val_loss/gsm8k", "val_bpb/gsm8k"}
+    assert fields["val_loss/data"] == fields["val_loss"]  # one source: the val split itself
+    tokenizer = Tokenizer.from_file(str(token_dir / "tokenizer.json"))
+    first_question = json.loads(GSM8K.read_text().splitlines()[0])["question"]
+    first_window = next(iter(trainer.train_batches.val_set(0).by_source["gsm8k"])).inputs[0].tolist()
+    stream = [*tokenizer.encode(first_question).ids, tokenizer.token_to_id("<|endoftext|>")]  # as a shard holds it
+    assert first_window == stream[: len(first_window)]
+    trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("heldout", "named"),
+    [
+        (
+            {"name": "gsm8k", "path": str(GSM8K), "field": "prompt"},
+            "gsm8k-test.jsonl, line 1: no string field 'prompt'",
+        ),
+        ({"name": "gsm8k", "path": "no/such/file.jsonl"}, "no/such/file.jsonl"),
+    ],
+)
+def test_a_heldout_set_that_cannot_be_read_is_refused_naming_file_and_field(
+    heldout: dict, named: str, token_dir: Path, tmp_path: Path
+) -> None:
+    config = load_config(None, tiny_overrides(token_dir, tmp_path / "run", **{"data.heldout": [heldout]}))
+    with pytest.raises(PreflightError, match=re.escape(named)):
+        check_data(config)
+    with pytest.raises(ValueError, match=r"data\.heldout names \['data'\]"):
+        load_config(None, {"data.heldout": [{"name": "data", "path": str(GSM8K)}]})

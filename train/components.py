@@ -24,6 +24,7 @@ from train.data import TrainBatches, ValBatches
 from train.determinism import make_deterministic, settle_vector_math
 from train.fim import FimTransform
 from train.flops import flops_per_token
+from train.heldout import HeldOutBatches, heldout_tokens, read_texts
 from train.mixture import Source, data_lineage_sha256, describe
 from train.model import GPT
 from train.optim import build_optimizer
@@ -89,6 +90,8 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
     if config.fim.rate > 0:  # the sentinels' ids from the data's tokenizer (train.preflight checked it has them)
         fim = FimTransform.for_tokenizer(config.fim, data.seed, sources[0].manifest.tokenizer_file())
     phases = context_phases(config)
+    tokenizer_file = sources[0].manifest.tokenizer_file()
+    heldout = {h.name: heldout_tokens(read_texts(h.path, h.field), tokenizer_file) for h in data.heldout}
     train, val = [], []
     rank, world = ctx.rank, ctx.world_size
     for phase in phases:
@@ -104,9 +107,13 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
             return ValBatches(of, block, micro, data.eval_sequences, rank, world, ctx.device, verifier=verifier)
 
         combined = val_of(sources)
-        by_source = {s.name: val_of([s]) for s in sources} if len(sources) > 1 else {sources[0].name: combined}
+        by_source: dict[str, ValBatches | HeldOutBatches] = {sources[0].name: combined}
+        if len(sources) > 1:
+            by_source = {s.name: val_of([s]) for s in sources}
+        for name, tokens in heldout.items():
+            by_source[name] = HeldOutBatches(tokens, block, micro, data.eval_sequences, rank, world, ctx.device)
         val.append(ValSet(combined, by_source))
-    token_bytes = token_byte_lengths(sources[0].manifest.tokenizer_file())
+    token_bytes = token_byte_lengths(tokenizer_file)
     return DataParts(PhasedBatches(phases, train, val), verifier, token_bytes)
 
 

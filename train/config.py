@@ -38,6 +38,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "FimConfig",
     "GPTConfig",
     "GuardConfig",
+    "HeldOutSet",
     "MetricsConfig",
     "MixtureSource",
     "OptimizerConfig",
@@ -80,6 +81,12 @@ class MixtureSource(_Section):
         return self
 
 
+class HeldOutSet(_Section):
+    name: str = Field(min_length=1)  # the metrics' name: val_loss/<name>, val_bpb/<name>
+    path: str = Field(min_length=1)  # a .jsonl file (each line's `field`) or a text file (its paragraphs), or a URI
+    field: str = "text"
+
+
 class DataConfig(_Section):
     micro_batch_size: int = Field(8, ge=1)  # sequences per rank per forward/backward
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, fixed across world sizes
@@ -95,6 +102,9 @@ class DataConfig(_Section):
     # Several pipeline outputs at fixed weights (train.mixture); empty: the one data_dir. With a mixture,
     # data_dir is its first source (the tokenizer the export copies).
     mixture: list[MixtureSource] = Field(default_factory=list)
+    # Text no run trains on, evaluated beside the val splits at every evaluation (train.heldout): one yardstick
+    # for runs on different data.
+    heldout: list[HeldOutSet] = Field(default_factory=list)
 
 
 class FimConfig(_Section):
@@ -288,6 +298,11 @@ class TrainConfig(_Section):
                 )
         if self.context_schedule:
             self._check_context_schedule()
+        sources = [m.name for m in d.mixture] or ["data"]
+        named = [h.name for h in d.heldout]
+        clash = sorted({n for n in named if n in sources or named.count(n) > 1})
+        if clash:
+            raise ValueError(f"data.heldout names {clash} repeat a name of a source or another set ({sources})")
         window = self.profile.window
         if window is not None and window[1] > self.steps:
             raise ValueError(

@@ -25,6 +25,7 @@ from typing import Any
 
 from train.config import TrainConfig
 from train.data import StepBatches, TrainBatches, ValBatches
+from train.heldout import HeldOutBatches
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class ValSet:
     of a run without a mixture is the same set)."""
 
     combined: ValBatches
-    by_source: dict[str, ValBatches]
+    by_source: dict[str, ValBatches | HeldOutBatches]  # and each held-out set (train.heldout), by its name
 
 
 class PhasedBatches:

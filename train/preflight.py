@@ -14,6 +14,7 @@ from ground.hashing import sha256_file
 from ground.storage import Location, StorageError, check_scheme
 from train.config import TrainConfig
 from train.fim import MissingSentinels, sentinel_ids
+from train.heldout import HeldOutError, read_texts
 from train.manifest import DataError, Manifest
 from train.mixture import load_sources
 from train.resume_check import BatchChanged, ModelChanged, check_resumable
@@ -69,6 +70,11 @@ def check_data(config: TrainConfig) -> Manifest:
         raise PreflightError(
             f"manifest eot_id {manifest.eot_id} is outside the vocabulary (size {manifest.vocab_size})"
         )
+    for heldout in config.data.heldout:
+        try:
+            read_texts(heldout.path, heldout.field)
+        except HeldOutError as exc:
+            raise PreflightError(str(exc)) from exc
     if config.fim.rate > 0:
         try:
             sentinel_ids(tok_path)

@@ -58,6 +58,7 @@ from train.config import TrainConfig
 from train.data import ValBatches
 from train.flops import device_peak_flops, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
+from train.heldout import HeldOutBatches
 from train.memory import local_memory, memory_fields, state_bytes
 from train.metrics import MetricsLogger, Reporter
 from train.mixture import Source, data_lineage_sha256, describe, load_sources
@@ -512,7 +513,7 @@ class Trainer(Stateful):
                 fields[f"val_bpb/{name}"] = float(totals[2] / totals[3]) / math.log(2)
         return fields
 
-    def _val_totals(self, batches: ValBatches) -> torch.Tensor:
+    def _val_totals(self, batches: ValBatches | HeldOutBatches) -> torch.Tensor:
         """(sum of sequence losses, sequences, nats, target bytes) over ``batches``, summed across ranks (a
         collective: with FSDP every forward is one, and every rank runs as many batches)."""
         self.model.eval()
