@@ -251,6 +251,15 @@ def test_a_context_schedule_switches_block_and_theta_and_resumes_bitwise_across_
     for name, value in whole.gpt.state_dict().items():
         assert torch.equal(resumed.gpt.state_dict()[name], value), name
 
+    # An evaluation after a phase's last step scores that phase's windows, not the next one's.
+    boundary = Trainer.from_config(config(tmp_path / "boundary", **{"checkpoint.enabled": False}), cpu)
+    for _ in range(3):
+        boundary.run_step()
+    assert boundary.val_batches.windows.block_size == 16 and boundary.gpt.rope_theta == 10000.0
+    boundary.run_step()
+    assert boundary.val_batches.windows.block_size == 32 and boundary.gpt.rope_theta == 40000.0
+    boundary.close()
+
 
 @pytest.mark.parametrize(
     ("schedule", "named"),

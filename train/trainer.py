@@ -55,6 +55,7 @@ from train.components import (
     resume_requested,
 )
 from train.config import TrainConfig
+from train.context_schedule import ValSet
 from train.data import ValBatches
 from train.flops import device_peak_flops, mfu
 from train.guard import GuardRail, TrainingDiverged, Verdict
@@ -202,8 +203,13 @@ class Trainer(Stateful):
 
     @property
     def val_batches(self) -> ValBatches:
-        """The validation windows of the current context phase (of its block size), every source's together."""
-        return self.train_batches.val_set(self.data_step).combined
+        """The validation windows of the context phase just trained (of its block size), every source's together."""
+        return self._val_set().combined
+
+    def _val_set(self) -> ValSet:
+        # An evaluation follows a step: it scores the phase of the data step just trained, with the RoPE base that
+        # step used (after a phase's last step, the next phase's block and base have not started yet).
+        return self.train_batches.val_set(max(0, self.data_step - 1))
 
     @property
     def data_step(self) -> int:
@@ -499,7 +505,7 @@ class Trainer(Stateful):
         one source of a run without a mixture too) ``val_loss/<name>`` and ``val_bpb/<name>``, bits per byte (total
         nats over its windows' target tokens / their UTF-8 bytes / ln 2: comparable across tokenizers); no val
         split: ``val_loss`` None."""
-        val = self.train_batches.val_set(self.data_step)
+        val = self._val_set()
         if not val.combined:
             return {"val_loss": None}
         combined = self._val_totals(val.combined)
@@ -575,7 +581,8 @@ class Trainer(Stateful):
         return fields
 
     def _switch_rope_theta(self, step: int, theta: float) -> None:
-        """A context phase's RoPE base (and, before step 0 of a resumed run, the phase's it resumes in)."""
+        """Turn positions with a context phase's RoPE base from ``step`` on: the phase's first step, or a resumed
+        run's first step inside it."""
         if self.ctx.is_main:
             log.info("step %d: rope_theta %g -> %g (context_schedule)", step, self.gpt.rope_theta, theta)
         self.gpt.rope_theta = theta
