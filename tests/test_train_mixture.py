@@ -328,3 +328,21 @@ def test_a_heldout_set_that_cannot_be_read_is_refused_naming_file_and_field(
         check_data(config)
     with pytest.raises(ValueError, match=r"data\.heldout names \['data'\]"):
         load_config(None, {"data.heldout": [{"name": "data", "path": str(GSM8K)}]})
+
+
+def test_a_context_phase_follows_the_runs_step_in_a_mixture_schedule(two_sources: tuple[Path, Path]) -> None:
+    """A loader that starts at the run's step 10 (a context phase's first) weighs its sources by the run's step:
+    books, brought in at step 10, are in its first batch, where a loader from step 0 has none before its step 10."""
+    web, books = two_sources
+    mixture = [{"name": "web", "path": str(web), "weight": 1.0},
+               {"name": "books", "path": str(books), "weight": 0.0,
+                "schedule": [{"step": 9, "weight": 0.0}, {"step": 10, "weight": 1.0}]}]  # fmt: skip
+    sources = load_sources(str(web), load_config(None, {"data.mixture": mixture}).data.mixture)
+
+    def books_per_step(first_step: int) -> list[int]:
+        loader = TrainBatches(sources, 32, 2, 2, 0, 1, 3, torch.device("cpu"), first_step=first_step)
+        books_from = len(loader.windows) - loader.sizes[1]
+        return [int((loader.window_ids(step) >= books_from).sum()) for step in range(12)]
+
+    assert books_per_step(0)[:10] == [0] * 10 and books_per_step(0)[11] > 0
+    assert books_per_step(10)[0] > 0

@@ -99,7 +99,7 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
         ahead = data.prefetch_steps
         loader = TrainBatches(
             sources, block, micro, grad_accum, rank, world, data.seed, ctx.device,
-            prefetch_steps=ahead, verifier=verifier, fim=fim, phase=phase.index,
+            prefetch_steps=ahead, verifier=verifier, fim=fim, phase=phase.index, first_step=phase.start,
         )  # fmt: skip
         train.append(loader)
 

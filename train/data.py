@@ -138,14 +138,18 @@ def mixture_rank_windows(
     grad_accum: int,
     sizes: Sequence[int],
     weights: MixtureWeights,
+    first_step: int = 0,
 ) -> np.ndarray:
     """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
     shape (grad_accum, micro_batch_size): the step's global batch is each source's next sequences, source
-    after source (``train.mixture.MixtureWeights.counts``), and the rank takes its contiguous slice of it."""
+    after source (``train.mixture.MixtureWeights.counts``), and the rank takes its contiguous slice of it.
+    ``first_step``: the run's step this numbering starts at (a context phase's first): the weights are the run's
+    step's, the counts since ``first_step``."""
     per_rank = micro_batch_size * grad_accum
     global_batch = per_rank * world_size
-    before = weights.counts(step, global_batch)
-    after = weights.counts(step + 1, global_batch)
+    start = weights.counts(first_step, global_batch)
+    before = weights.counts(first_step + step, global_batch) - start
+    after = weights.counts(first_step + step + 1, global_batch) - start
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     parts = [
         offsets[s]
@@ -197,6 +201,7 @@ class TrainBatches:
         verifier: ShardVerifier | None = None,
         fim: FimTransform | None = None,
         phase: int = 0,
+        first_step: int = 0,
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
@@ -218,6 +223,8 @@ class TrainBatches:
         self.seed = seed
         # The data order: the seed's, or for a later context phase its own stream (train.context_schedule).
         self.order_seed: Seed = seed if phase == 0 else (seed, PHASE_STREAM, phase)
+        # The run's step this loader's step 0 is (a phase's first): mixture schedules and FIM follow the run's step.
+        self.first_step = first_step
         self.device = device
         self.prefetch_steps = prefetch_steps
         self.fim = fim
@@ -236,7 +243,7 @@ class TrainBatches:
         if len(self.sources) > 1:
             return mixture_rank_windows(
                 self.order_seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum,
-                self.sizes, self.weights,
+                self.sizes, self.weights, self.first_step,
             )  # fmt: skip
         return rank_windows(
             self.order_seed,
@@ -268,7 +275,10 @@ class TrainBatches:
         if self.fim is not None:
             first = self.rank * ids.size
             rows = [
-                [self.fim.apply(tokens, step, first + a * ids.shape[1] + m) for m, tokens in enumerate(row)]
+                [
+                    self.fim.apply(tokens, self.first_step + step, first + a * ids.shape[1] + m)
+                    for m, tokens in enumerate(row)
+                ]
                 for a, row in enumerate(rows)
             ]
         return [torch.from_numpy(np.stack(row)) for row in rows]
