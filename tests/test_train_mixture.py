@@ -23,6 +23,7 @@ from train.__main__ import overrides_from_args, parse_args
 from train.config import load_config
 from train.data import TrainBatches
 from train.final import train_to_completion
+from train.heldout import HeldOutError, read_texts
 from train.manifest import load_manifest
 from train.metrics import read_metrics
 from train.mixture import MixtureWeights, Source, cumulative_counts, load_sources, parse_mixture
@@ -326,6 +327,10 @@ def test_a_heldout_set_that_cannot_be_read_is_refused_naming_file_and_field(
     config = load_config(None, tiny_overrides(token_dir, tmp_path / "run", **{"data.heldout": [heldout]}))
     with pytest.raises(PreflightError, match=re.escape(named)):
         check_data(config)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n")
+    with pytest.raises(HeldOutError, match=r"blank\.txt: no documents"):  # nothing skipped silently
+        read_texts(str(blank), "text")
     with pytest.raises(ValueError, match=r"data\.heldout names \['data'\]"):
         load_config(None, {"data.heldout": [{"name": "data", "path": str(GSM8K)}]})
 

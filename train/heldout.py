@@ -37,9 +37,12 @@ def read_texts(path: str, field: str) -> list[str]:
         raw = Location(path).read_text()
     except StorageError as exc:
         raise HeldOutError(f"data.heldout {path}: {exc}") from exc
+    texts: list[str] = []
     if not path.endswith(".jsonl"):
-        return [p.strip() for p in raw.split("\n\n") if p.strip()]
-    texts = []
+        texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
+        if not texts:
+            raise HeldOutError(f"data.heldout {path}: no documents")
+        return texts
     for number, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
