@@ -4,7 +4,7 @@ A source's val split moves with its data: two runs on differently filtered data 
 held-out set (``data.heldout: [{name, path, field}]``) is the same text for every run, so their ``val_loss/<name>``
 and ``val_bpb/<name>`` (bits per byte: comparable across tokenizers too) are one yardstick. The repository ships one,
 GSM8K's test questions (data/eval-sets/, MIT): clean English prose that the demo's pipeline decontaminates against,
-so it is never in the training sample. ``train/configs/demo.yaml`` names it.
+so it is never in the training sample (train/README.md shows the ``--set`` that names it).
 
 A set is a JSON lines file (each line's ``field``, default ``text``) or a plain text file (its paragraphs, split at
 blank lines), local or a URI. It is tokenized once with the run's tokenizer, each document followed by EOT as in
