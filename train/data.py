@@ -350,6 +350,18 @@ class TrainBatches:
         return int(state["step"])
 
 
+def evaluation_rows(
+    total: int, num_sequences: int, rank: int, world_size: int, micro_batch_size: int
+) -> tuple[list[np.ndarray], int]:
+    """Of ``total`` windows, ``num_sequences`` evenly spaced ones, cut to a multiple of the world size and dealt to
+    the ranks: this rank's window ids in rows of ``micro_batch_size``, and how many all ranks score together. Equal
+    counts per rank: with FSDP every forward is a collective, so ranks must run the same number of batches."""
+    chosen = np.unique(np.linspace(0, total - 1, min(num_sequences, total)).astype(np.int64))
+    chosen = chosen[: len(chosen) // world_size * world_size] if total else chosen[:0]
+    mine = chosen[rank::world_size]
+    return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)], len(chosen)
+
+
 class ValBatches:
     """A fixed set of validation windows (evenly spaced through the val split), split across ranks.
 
@@ -374,14 +386,9 @@ class ValBatches:
         self.windows = WindowIndex([sh for s in sources for sh in s.manifest.split("val")], block_size, verifier)
         self.dtype = sources[0].manifest.dtype
         self.device = device
-        total = len(self.windows)
-        chosen = np.unique(np.linspace(0, total - 1, min(num_sequences, total)).astype(np.int64))
-        # Equal counts per rank: with FSDP every forward is a collective, so ranks must run the same
-        # number of validation batches.
-        chosen = chosen[: len(chosen) // world_size * world_size] if total else chosen[:0]
-        mine = chosen[rank::world_size]
-        self._rows = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-        self.total_sequences = len(chosen)
+        self._rows, self.total_sequences = evaluation_rows(
+            len(self.windows), num_sequences, rank, world_size, micro_batch_size
+        )
 
     def __bool__(self) -> bool:
         return self.total_sequences > 0

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from ground.formats import EOT
 from ground.storage import Location, StorageError
-from train.data import Batch
+from train.data import Batch, evaluation_rows
 
 
 class HeldOutError(ValueError):
@@ -86,11 +86,7 @@ class HeldOutBatches:
     ) -> None:
         self.tokens, self.block_size, self.device = tokens, block_size, device
         total = max(0, (len(tokens) - 1) // block_size)
-        chosen = np.unique(np.linspace(0, total - 1, min(num_sequences, total)).astype(np.int64))
-        chosen = chosen[: len(chosen) // world_size * world_size] if total else chosen[:0]
-        mine = chosen[rank::world_size]
-        self._rows = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-        self.total_sequences = len(chosen)
+        self._rows, self.total_sequences = evaluation_rows(total, num_sequences, rank, world_size, micro_batch_size)
 
     def __bool__(self) -> bool:
         return self.total_sequences > 0
