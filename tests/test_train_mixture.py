@@ -20,7 +20,7 @@ from train_fixtures import build_token_dir, tiny_overrides
 from ground.hashing import sha256_file
 from train.__main__ import main as train_main
 from train.__main__ import overrides_from_args, parse_args
-from train.config import load_config
+from train.config import TrainConfig, load_config
 from train.data import TrainBatches
 from train.final import train_to_completion
 from train.heldout import HeldOutError, read_texts
@@ -100,33 +100,38 @@ def test_counts_never_decrease_even_for_tiny_weights() -> None:
         previous = counts
 
 
+def mixture_config(data: Path, out: Path, mixture: list[dict], **extra: object) -> TrainConfig:
+    overrides = tiny_overrides(data, out, steps=8, **{"checkpoint.interval_steps": 4, "data.mixture": mixture})
+    config = load_config(None, overrides | extra)
+    check_data(config)
+    return config
+
+
+def assert_resumes_bitwise(reference: Trainer, data: Path, out: Path, mixture: list[dict]) -> None:
+    """A run of ``mixture`` stopped after 5 steps (checkpointed after 4) and resumed repeats ``reference`` (the
+    uninterrupted run, finished) loss for loss and weight for weight."""
+    first = Trainer.from_config(mixture_config(data, out, mixture), CPU)
+    for _ in range(5):
+        first.run_step()
+    first.checkpointer.close()
+    resumed = Trainer.from_config(mixture_config(data, out, mixture, **{"checkpoint.resume": True}), CPU)
+    resumed.train()
+    got = [(r["step"], r["loss"]) for r in read_metrics(out)]
+    assert got == [(r["step"], r["loss"]) for r in read_metrics(reference.config.output_dir)]
+    for key, value in reference.gpt.state_dict().items():
+        assert torch.equal(resumed.gpt.state_dict()[key], value), key
+
+
 def test_a_mixture_run_resumes_bitwise_and_records_its_sources(two_sources: tuple[Path, Path], tmp_path: Path) -> None:
     web, books = two_sources
     mixture = [{"name": "web", "path": str(web), "weight": 0.7}, {"name": "books", "path": str(books), "weight": 0.3}]
-
-    def config(out: Path, **extra: object):
-        overrides = tiny_overrides(web, out, steps=8, **{"checkpoint.interval_steps": 4, "data.mixture": mixture})
-        cfg = load_config(None, overrides | extra)
-        check_data(cfg)
-        return cfg
-
     torch.set_num_threads(1)
-    reference = Trainer.from_config(config(tmp_path / "ref"), CPU)
+    reference = Trainer.from_config(mixture_config(web, tmp_path / "ref", mixture), CPU)
     info = train_to_completion(reference)
     assert [s["name"] for s in info["data_sources"]] == ["web", "books"]
     assert [s["weight"] for s in info["data_sources"]] == [0.7, 0.3]
     assert info["data_manifest_sha256"] != load_manifest(web).sha256  # the lineage names the mixture
-
-    first = Trainer.from_config(config(tmp_path / "run"), CPU)
-    for _ in range(5):
-        first.run_step()
-    first.checkpointer.close()
-    resumed = Trainer.from_config(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
-    resumed.train()
-    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
-    assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
-    for key, value in reference.gpt.state_dict().items():
-        assert torch.equal(resumed.gpt.state_dict()[key], value), key
+    assert_resumes_bitwise(reference, web, tmp_path / "run", mixture)
 
 
 def test_a_source_in_object_storage_mixes_exactly_like_the_same_source_on_disk(
@@ -243,27 +248,14 @@ def test_a_scheduled_mixture_resumes_bitwise_and_records_its_schedule(
                {"name": "books", "path": str(books), "weight": 0.0,
                 "schedule": [{"step": 3, "weight": 0.0}, {"step": 5, "weight": 1.0}]}]  # fmt: skip
 
-    def config(out: Path, **extra: object):
-        overrides = tiny_overrides(web, out, steps=8, **{"checkpoint.interval_steps": 4, "data.mixture": mixture})
-        cfg = load_config(None, overrides | extra)
-        check_data(cfg)
-        return cfg
-
     torch.set_num_threads(1)
-    reference = Trainer.from_config(config(tmp_path / "ref"), CPU)
+    reference = Trainer.from_config(mixture_config(web, tmp_path / "ref", mixture), CPU)
     books_from = len(reference.train_batches.final.windows) - reference.train_batches.final.sizes[1]
     per_step = [(reference.train_batches.final.window_ids(step) >= books_from).sum() for step in range(8)]
     assert per_step[:4] == [0, 0, 0, 0] and per_step[5] > 0  # books come in from step 4 on, by its schedule
     info = train_to_completion(reference)
     assert info["data_sources"][1]["schedule"] == [{"step": 3, "weight": 0.0}, {"step": 5, "weight": 1.0}]
-    first = Trainer.from_config(config(tmp_path / "run"), CPU)
-    for _ in range(5):
-        first.run_step()
-    first.checkpointer.close()
-    resumed = Trainer.from_config(config(tmp_path / "run", **{"checkpoint.resume": True}), CPU)
-    resumed.train()
-    got = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "run")]
-    assert got == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "ref")]
+    assert_resumes_bitwise(reference, web, tmp_path / "run", mixture)
 
 
 @pytest.mark.parametrize(
