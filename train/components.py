@@ -86,22 +86,20 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
         # Local shards only: a shard in object storage is verified as it downloads (WindowIndex.verified_file).
         local = [shard for s in sources for shard in s.manifest.shards if not shard.is_remote]
         verifier = ShardVerifier(local, run_dir.local / VERIFIED_SHARDS_CACHE)
+    tokenizer_file = sources[0].manifest.tokenizer_file()
     fim = None
     if config.fim.rate > 0:  # the sentinels' ids from the data's tokenizer (train.preflight checked it has them)
-        fim = FimTransform.for_tokenizer(config.fim, data.seed, sources[0].manifest.tokenizer_file())
+        fim = FimTransform.for_tokenizer(config.fim, data.seed, tokenizer_file)
     phases = context_phases(config)
-    tokenizer_file = sources[0].manifest.tokenizer_file()
     heldout = {h.name: heldout_tokens(read_texts(h.path, h.field), tokenizer_file) for h in data.heldout}
     train, val = [], []
     rank, world = ctx.rank, ctx.world_size
     for phase in phases:
         block, micro = phase.block_size, data.micro_batch_size * phase.windows_per_sequence
-        ahead = data.prefetch_steps
-        loader = TrainBatches(
+        train.append(TrainBatches(
             sources, block, micro, grad_accum, rank, world, data.seed, ctx.device,
-            prefetch_steps=ahead, verifier=verifier, fim=fim, phase=phase.index, first_step=phase.start,
-        )  # fmt: skip
-        train.append(loader)
+            prefetch_steps=data.prefetch_steps, verifier=verifier, fim=fim, phase=phase.index, first_step=phase.start,
+        ))  # fmt: skip
 
         def val_of(of: list[Source], block: int = block, micro: int = micro) -> ValBatches:
             return ValBatches(of, block, micro, data.eval_sequences, rank, world, ctx.device, verifier=verifier)

@@ -80,6 +80,11 @@ class MixtureSource(_Section):
             raise ValueError(f"data.mixture {self.name!r}: weight 0 and no schedule that raises it: never trained on")
         return self
 
+    @property
+    def points(self) -> tuple[tuple[int, float], ...]:
+        """The schedule as (step, weight) pairs: what train.mixture computes with."""
+        return tuple((p.step, p.weight) for p in self.schedule)
+
 
 class HeldOutSet(_Section):
     name: str = Field(min_length=1)  # the metrics' name: val_loss/<name>, val_bpb/<name>
@@ -288,8 +293,7 @@ class TrainConfig(_Section):
             if self.data_dir != d.mixture[0].path:
                 raise ValueError("with data.mixture, data_dir is the first source's path (or leave it unset)")
             # One source takes each step's remainder (train.mixture): that needs a non-negative count.
-            weights = MixtureWeights([m.weight for m in d.mixture], [tuple((p.step, p.weight) for p in m.schedule)
-                                                                     for m in d.mixture])  # fmt: skip
+            weights = MixtureWeights([m.weight for m in d.mixture], [m.points for m in d.mixture])
             if d.global_batch_size * weights.smallest_rest_share() < len(d.mixture) - 1:
                 raise ValueError(
                     f"global_batch_size {d.global_batch_size} is too small to mix {len(d.mixture)} sources: "

@@ -67,10 +67,9 @@ def load_sources(data_dir: str, mixture: list[Any]) -> list[Source]:
         return [Source("data", load_manifest(data_dir), 1.0)]
     total = sum(entry.weight for entry in mixture)
     sources = [
-        Source(entry.name, load_manifest(entry.path), entry.weight / total,
-               tuple((p.step, p.weight) for p in entry.schedule), entry.weight)
+        Source(entry.name, load_manifest(entry.path), entry.weight / total, entry.points, entry.weight)
         for entry in mixture
-    ]  # fmt: skip
+    ]
     first = sources[0]
     for other in sources[1:]:
         a, b = first.manifest, other.manifest
