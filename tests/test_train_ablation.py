@@ -18,8 +18,9 @@ from train.ablation import AblationSpec, main, plan
 from train.ablation_stats import compare
 from train.metrics import read_metrics
 
-GSM8K = Path(__file__).resolve().parents[1] / "data" / "eval-sets" / "gsm8k-test.jsonl"
-HELDOUT = [{"name": "gsm8k", "path": str(GSM8K), "field": "question"}]
+REPO = Path(__file__).resolve().parents[1]
+# Relative, as a spec in the repository names it: the runs' Ray Train workers start in another directory.
+HELDOUT = [{"name": "gsm8k", "path": "data/eval-sets/gsm8k-test.jsonl", "field": "question"}]
 
 
 def spec_dict(token_dir: Path, output: Path, variants: list[dict], seeds: list[int] = [1, 2, 3]) -> dict:  # noqa: B006
@@ -42,7 +43,7 @@ def write_spec(path: Path, spec: dict) -> Path:
 
 @pytest.mark.ray
 def test_an_ablation_finds_the_planted_bad_data_worse_and_reuses_its_runs(
-    token_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    token_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Baseline: the cc_net text. Variant: the same documents written backwards, tokenized with the same tokenizer
     (bad data with a plausible look). Both score GSM8K's questions, English prose that neither trains on."""
@@ -53,6 +54,7 @@ def test_an_ablation_finds_the_planted_bad_data_worse_and_reuses_its_runs(
         tmp_path / "spec.yaml",
         spec_dict(token_dir, output, [{"name": "clean"}, {"name": "backwards", "data": str(backwards)}]),
     )
+    monkeypatch.chdir(REPO)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert main([str(spec), "--concurrent", "2"]) == 0  # two runs at a time, each driver in a Ray task

@@ -25,13 +25,15 @@ class PreflightError(ValueError):
 
 
 def check_locations(config: TrainConfig) -> Location:
-    """The data dirs, the run dir and the checkpoint storage as absolute local paths or checked URIs (the workers
-    may start in another directory, on another machine); returns the run dir. An unsupported scheme (``ftp://``,
-    ``hdfs://``) is refused naming the URI, never taken for a local path."""
+    """The data dirs, the held-out sets, the run dir and the checkpoint storage as absolute local paths or checked
+    URIs (the workers may start in another directory, on another machine); returns the run dir. An unsupported scheme
+    (``ftp://``, ``hdfs://``) is refused naming the URI, never taken for a local path."""
     try:
         config.data_dir = Location(config.data_dir).uri
         for source in config.data.mixture:
             source.path = Location(source.path).uri
+        for held in config.data.heldout:  # a relative path meant the driver's directory, not the worker's
+            held.path = Location(held.path).uri
         output = Location(config.output_dir)
         config.output_dir = output.uri
         if config.checkpoint.storage:
