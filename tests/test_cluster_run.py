@@ -18,9 +18,11 @@ import math
 import os
 import pty
 import queue
+import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -37,7 +39,9 @@ import requests
 import yaml
 from conftest import REPO, SAMPLE
 from remote_servers import make_bucket, moto_server, use_s3_endpoint
+from wet_builder import write_wet
 
+from cluster.ablate import main as ablate_main
 from cluster.run import main
 from cluster.run_spec import load_job
 from cluster.stages import KEY_CHARS
@@ -48,6 +52,7 @@ from serve.canary import Canary, score_text
 from serve.evalset import load_evalset
 from serve.harness_tasks import CLOZE_TASK, PPL_TASK, build_tasks
 from serve.model_dir import read_export
+from train.metrics import read_metrics
 
 STEPS = 12
 # The served model and the Hugging Face export run the same weights through different code (vLLM's, transformers'),
@@ -483,6 +488,89 @@ def test_on_a_bucket_a_chain_killed_in_training_and_submitted_again_ends_like_th
         weights = Location(lineage["train"]["run_dir"]).join("final", "model.safetensors").read_bytes()
         assert weights == (Path(local["train"]["run_dir"]) / "final" / "model.safetensors").read_bytes()
         assert lineage["model_id"] == local["model_id"] and lineage["eval"]["scores"] == local["eval"]["scores"]
+
+
+def junk_pages(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Boilerplate shop pages: menu words in random order with random item numbers. English enough for language id,
+    unlike one another for dedup, and what the quality rules drop (few stop words, no sentences)."""
+    rng = random.Random(seed)
+    menu = [
+        "home", "about", "contact", "login", "register", "cart", "checkout", "wishlist", "privacy", "policy", "terms",
+        "shipping", "returns", "sale", "new", "subscribe", "newsletter", "follow", "facebook", "twitter", "instagram",
+        "sitemap", "faq", "help", "account", "orders", "track", "compare",
+    ]  # fmt: skip
+    pages = []
+    for i in range(count):
+        words = [rng.choice(menu) if rng.random() < 0.8 else f"item{rng.randrange(10**6)}" for _ in range(300)]
+        pages.append((f"http://junk.example/{i}", " ".join(words)))
+    return pages
+
+
+@pytest.mark.ray
+def test_an_ablation_finds_planted_junk_worse_and_an_aa_twin_no_different(
+    chain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cluster.ablate over this module's job: the baseline (its curation shared with the chain's: same key), an A/A
+    twin on other seeds, and the quality rules off with planted junk pages; a small model, 3 seeds each, judged on
+    GSM8K's questions. Then a rerun reuses every trial."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for path in SAMPLE.iterdir():
+        if path.is_file() and path.name.endswith(".gz"):
+            (inputs / path.name).symlink_to(path)
+    write_wet(inputs / "junk.warc.wet.gz", junk_pages(150))
+    off = {f"data.quality.{family}.enabled": False for family in ("gopher", "c4", "fineweb")}
+    tiny = {"train.model.n_layer": 2, "train.model.n_head": 2, "train.model.n_embd": 32, "train.model.block_size": 32,
+            "train.data.micro_batch_size": 4, "train.data.global_batch_size": 8, "train.data.eval_interval": 10,
+            "train.data.eval_sequences": 8, "train.optimizer.lr": 3e-3, "train.optimizer.warmup_steps": 5,
+            "train.steps": 30, "train.metrics.prometheus": False}  # fmt: skip
+    heldout = [{"name": "gsm8k", "path": "data/eval-sets/gsm8k-test.jsonl", "field": "question"}]
+    ablation = {
+        "job": str(chain["spec"]),
+        "output": str(tmp_path / "report"),
+        "set": tiny | {"train.data.heldout": heldout},
+        "seeds": [1, 2, 3],
+        "metrics": ["val_bpb/gsm8k"],
+        "variants": [
+            {"name": "base"},
+            {"name": "twin", "seeds": [4, 5, 6]},
+            {"name": "junk", "set": off | {"data.inputs": str(inputs)}},
+        ],
+    }
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump(ablation))
+    monkeypatch.chdir(REPO)  # the held-out path is the repository's, as in cluster/jobs/
+    curations = set((chain["root"] / "curate").iterdir())
+    assert ablate_main([str(path), "--concurrent", "2"]) == 0
+    first = json.loads((tmp_path / "report" / "ablation.json").read_text())
+    assert ablate_main([str(path)]) == 0
+    second = json.loads((tmp_path / "report" / "ablation.json").read_text())
+    printed = capsys.readouterr().out
+
+    assert [(t["variant"], t["seed"], t["status"]) for t in first["trials"]] == [
+        (v, seed, "trained") for v, seeds in (("base", (1, 2, 3)), ("twin", (4, 5, 6)), ("junk", (1, 2, 3)))
+        for seed in seeds
+    ]  # fmt: skip
+    assert {t["status"] for t in second["trials"]} == {"reused"} and second["verdicts"] == first["verdicts"]
+    # The base and the twin curated nothing new (the chain's key); the junk variant curated once for its 3 trials.
+    assert len(set((chain["root"] / "curate").iterdir()) - curations) == 1
+    verdicts = first["verdicts"]
+    junk, twin = verdicts["variants"]["junk"]["val_bpb/gsm8k"], verdicts["variants"]["twin"]["val_bpb/gsm8k"]
+    assert junk["verdict"] == "worse" and junk["interval"][0] > 0, junk
+    assert twin["verdict"] == "no detectable difference", twin
+
+    # The numbers judged are the trials' own last evaluations, paired by position.
+    def last(variant: str) -> list[float]:
+        runs = [t["run_dir"] for t in first["trials"] if t["variant"] == variant]
+        return [[r for r in read_metrics(d) if "val_loss" in r][-1]["val_bpb/gsm8k"] for d in runs]
+
+    assert junk["delta"] == pytest.approx(
+        statistics.fmean(j - b for j, b in zip(last("junk"), last("base"), strict=True))
+    )
+    assert verdicts["noise"]["val_bpb/gsm8k"] == pytest.approx(statistics.stdev(last("base")))
+    assert "val_bpb/data" in verdicts["not_compared"]  # each variant's own val split: never judged
+    assert (tmp_path / "report" / "ablation.png").stat().st_size > 0
+    assert "| junk |" in (tmp_path / "report" / "ablation.md").read_text() and "worse" in printed
 
 
 # ---- refused before anything starts (no Ray) ----
