@@ -3,13 +3,13 @@ and a verdict.
 
 An ablation is a base job spec (``python -m cluster.run``'s) and a list of variants, the first the baseline, each a set
 of job-spec overrides (``data.*``: the curation, its filters, inputs or mixture; ``train.*``: the run, its mixture
-schedule, ...), trained once per seed (``train.data.seed``: the model's init and the data order). Each (variant, seed)
-is a trial: the job's chain up to ``train``, through the same stages, keys and proofs as ``cluster.run``. So trials
-that curate the same way share one curation, a finished trial is verified and reused, and a killed ablation resumes
-the stage it was in. Curations run one at a time (each uses the whole cluster); trainings run ``--concurrent`` at a
-time, each trial's driver in a Ray task (plain Ray tasks: a trial is one stage call with no search space to explore,
-and Ray Train already owns each run's failures, so Ray Tune's Tuner would add a layer that decides nothing), its
-workers placed by Ray as usual.
+schedule, ...), trained once per seed (``train.data.seed``, the model's init and the data order; or, with ``vary``, one
+of them alone: ``train.init_seed``). Each (variant, seed) is a trial: the job's chain up to ``train``, through the same
+stages, keys and proofs as ``cluster.run``. So trials that curate the same way share one curation, a finished trial is
+verified and reused, and a killed ablation resumes the stage it was in. Curations run one at a time (each uses the whole
+cluster); trainings run ``--concurrent`` at a time, each trial's driver in a Ray task (plain Ray tasks: a trial is one
+stage call with no search space to explore, and Ray Train already owns each run's failures, so Ray Tune's Tuner would
+add a layer that decides nothing), its workers placed by Ray as usual.
 
 What is compared: the last evaluation's bits per byte (``val_bpb/<name>``, comparable across tokenizers) wherever every
 trial scored the same text: a held-out set (``train.data.heldout``) or a source whose val split (its manifest's
@@ -28,7 +28,7 @@ import logging
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 RESULTS_FILE = "ablation.json"
 BPB_PREFIX = "val_bpb/"
-SEED_KEY = "train.data.seed"
+DATA_SEED, INIT_SEED = "train.data.seed", "train.init_seed"
 
 
 class _Spec(BaseModel):
@@ -65,6 +65,9 @@ class AblationSpec(_Spec):
     output: str = Field(min_length=1)  # where the report goes: a path or a URI
     set: dict[str, Any] = Field(default_factory=dict)  # job-spec keys for every trial (as cluster.run's --set)
     seeds: list[int] = Field(min_length=2)  # at least two: one seed measures no noise
+    # What a trial's seed sets: both the data order and the init (train.data.seed), the init alone (train.init_seed;
+    # the data order stays the job's), or the data order alone (the init fixed at the first of `seeds`).
+    vary: Literal["both", "init", "data"] = "both"
     alpha: float = Field(0.05, gt=0, lt=1)  # the family-wise error rate of a variant's verdicts
     metrics: list[str] = Field(default_factory=list)  # val_bpb/<set or source>; empty: every one that compares
     variants: list[Variant] = Field(min_length=2)  # the first is the baseline
@@ -80,8 +83,8 @@ class AblationSpec(_Spec):
             if seeds is not None and len(seeds) != len(self.seeds):
                 raise ValueError(f"{where}: {len(seeds)} seeds; the runs pair with the ablation's {len(self.seeds)}")
         for where, keys in [("set", self.set)] + [(f"variants.{v.name}.set", v.set) for v in self.variants]:
-            if SEED_KEY in keys:
-                raise ValueError(f"{where}: {SEED_KEY} is the ablation's own: give seeds instead")
+            if taken := [key for key in (DATA_SEED, INIT_SEED) if key in keys]:
+                raise ValueError(f"{where}: {taken[0]} is the ablation's own: give seeds (and vary) instead")
         for metric in self.metrics:
             if not metric.startswith(BPB_PREFIX):
                 raise ValueError(f"metrics: {metric!r}: an ablation compares bits per byte, {BPB_PREFIX}<name>")
@@ -89,6 +92,14 @@ class AblationSpec(_Spec):
 
     def seeds_of(self, variant: Variant) -> list[int]:
         return variant.seeds if variant.seeds is not None else self.seeds
+
+    def seed_keys(self, seed: int) -> dict[str, int]:
+        """The job-spec keys that one trial's seed sets (see ``vary``)."""
+        if self.vary == "init":
+            return {INIT_SEED: seed}
+        if self.vary == "data":
+            return {DATA_SEED: seed, INIT_SEED: self.seeds[0]}
+        return {DATA_SEED: seed}
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ def plan(spec: AblationSpec) -> list[Trial]:
     trials = []
     for variant in spec.variants:
         for seed in spec.seeds_of(variant):
-            overrides = spec.set | variant.set | {SEED_KEY: seed}
+            overrides = spec.set | variant.set | spec.seed_keys(seed)
             try:
                 job = load_job(spec.job, overrides)
             except SpecError as exc:

@@ -50,6 +50,19 @@ def test_the_plan_shares_curations_and_keys_each_trial_by_its_config(tmp_path: P
 
 
 @pytest.mark.parametrize(
+    ("vary", "data_seeds", "init_seeds"),
+    [("both", [1, 2, 3], [None] * 3), ("init", [1337] * 3, [1, 2, 3]), ("data", [1, 2, 3], [1, 1, 1])],
+)
+def test_vary_sets_the_init_seed_and_the_data_seed_apart(
+    tmp_path: Path, vary: str, data_seeds: list[int], init_seeds: list[int | None]
+) -> None:
+    spec = AblationSpec.model_validate(ablation(tmp_path, [{"name": "a"}, {"name": "b"}], vary=vary))
+    trials = plan(spec)[:3]
+    assert [t.chain.train.job.train.data.seed for t in trials] == data_seeds
+    assert [t.chain.train.job.train.init_seed for t in trials] == init_seeds
+
+
+@pytest.mark.parametrize(
     ("change", "named"),
     [
         ({"seeds": [1]}, "seeds"),
@@ -58,6 +71,8 @@ def test_the_plan_shares_curations_and_keys_each_trial_by_its_config(tmp_path: P
         ({"variants": [{"name": "a"}, {"name": "a"}]}, "variant names repeat"),
         ({"variants": [{"name": "a"}, {"name": "b", "seeds": [4, 5]}]}, "variants.b.seeds: 2 seeds"),
         ({"variants": [{"name": "a"}, {"name": "b", "set": {"train.data.seed": 5}}]}, "variants.b.set: train.data"),
+        ({"set": {"train.init_seed": 5}}, "set: train.init_seed is the ablation's own"),
+        ({"vary": "model"}, "vary: Input should be"),
         ({"metrics": ["val_loss"]}, "metrics: 'val_loss'"),
         ({"variants": [{"name": "a"}, {"name": "b/c"}]}, "variants.1.name"),
         ({"extra": 1}, "extra: unknown key"),

@@ -347,3 +347,16 @@ def test_interval_seconds_saves_after_a_slow_step_and_not_before(token_dir: Path
     manifest = verify(tmp_path / "checkpoint_step_000000004")
     assert manifest["kinds"] == ["periodic"] and manifest["step"] == 4
     assert "checkpoint_step_000000004" in [p.name for p in list_checkpoints(tmp_path)]
+
+
+def test_init_seed_sets_the_initial_weights_apart_from_the_data_order(token_dir: Path, tmp_path: Path) -> None:
+    def start(name: str, **seeds: object) -> tuple[dict[str, torch.Tensor], list]:
+        trainer = Trainer.from_config(make_config(token_dir, tmp_path / name, **seeds), CPU)
+        weights = {k: v.clone() for k, v in trainer.gpt.state_dict().items()}
+        return weights, trainer.train_batches.position(0)["rank_windows"]
+
+    base, base_data = start("base", **{"data.seed": 1})
+    same_init, other_data = start("init", **{"data.seed": 2, "init_seed": 1})
+    other_init, same_data = start("data", **{"data.seed": 1, "init_seed": 2})
+    assert all(torch.equal(base[k], same_init[k]) for k in base) and other_data != base_data
+    assert not torch.equal(base["wte.weight"], other_init["wte.weight"]) and same_data == base_data

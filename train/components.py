@@ -56,7 +56,7 @@ def build_model(config: TrainConfig, ctx: DistContext) -> ModelParts:
         make_deterministic(ctx.device)  # before the model's first kernel
     # Same seed on every rank and for every strategy: all replicas (and all shards of FSDP's one
     # model) start from the same weights as a single-process run.
-    torch.manual_seed(config.data.seed)
+    torch.manual_seed(config.data.seed if config.init_seed is None else config.init_seed)
     gpt = GPT(config.model)
     gpt.activation_checkpointing = par.activation_checkpointing
     flops = flops_per_token(gpt)

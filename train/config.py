@@ -276,6 +276,9 @@ class TrainConfig(_Section):
     # costs, per 1B tokens and to finish. A worker reserves 1 GPU (parallel.use_gpu) and cpus_per_worker CPUs.
     cost: CostConfig = Field(default_factory=CostConfig)
     steps: int = Field(200, ge=1)
+    # The model's initial weights (and dropout's draws after them); None: data.seed, which then drives both. Set apart
+    # from data.seed, the init and the data order vary separately (an ablation's noise, as Marin measures it).
+    init_seed: int | None = None
     data_dir: str = ""
     output_dir: str = ""
 
