@@ -41,6 +41,7 @@ from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, load
 from ground.ray_address import add_address_option
 from ground.storage import Location
+from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ def plan(spec: AblationSpec) -> list[Trial]:
 def read_result(trial: Trial, status: str) -> TrialResult:
     """A finished trial's evaluations, the text each bits-per-byte metric scored, and its lineage."""
     run = Location(trial.run_dir)
-    from train.metrics import read_metrics
-
     evaluated = [r for r in read_metrics(run.uri) if r.get("val_loss") is not None]
     curves: dict[str, list[tuple[int, float]]] = {}
     for record in evaluated:

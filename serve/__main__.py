@@ -241,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     logging.getLogger("ray.serve.ray.llm").setLevel(logging.WARNING)
     import ray
-    from ray import serve
 
     started_ray = not ray.is_initialized()  # python -m cluster.run serves on the Ray it already started
     if started_ray:
         ray.init(address=args.address)
     stop_on_signals()  # after ray.init, which installs its own handler (SIGTERM would abort with a stack dump)
     from serve.drain import drain, remove_control
+    from serve.quiet_shutdown import shutdown_serve
 
     try:
         try:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("second signal: stopping without waiting for the requests in flight")
         return 0
     finally:
-        serve.shutdown()
+        shutdown_serve()
         remove_control(APP_NAME)
         if started_ray:
             ray.shutdown()

@@ -360,6 +360,8 @@ def test_an_unchanged_rerun_skips_every_stage_then_serves_the_lineage_model_as_t
     assert [states[s] for s in ("curate", "train", "export", "eval", "serve")] == ["skipped"] * 4 + ["running"]
     assert "SIGTERM: draining for up to 60 s" in log and re.search(r"drained [0-2], aborted 0, in \d+\.\d s", log), log
     assert "SIGTERM received" not in log and "*** " not in log, log[-4000:]  # Ray's abort handler did not run
+    # Serve stopped without the driver reporting its controller's self-kill as a failed task (serve/quiet_shutdown.py).
+    assert "graceful_shutdown failed" not in log, log[-4000:]
     assert "--- streamed completion for 'The library' ---\nThe library" in log, log
     # The canary ran and scored every item of the eval stage's set, against the lineage it read from the endpoint.
     items = len((Path(chain["lineage"]["eval"]["dir"]) / "tasks" / "canary-evalset.jsonl").read_text().splitlines())
