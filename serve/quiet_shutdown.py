@@ -26,8 +26,12 @@ def shutdown_serve(timeout_s: float = 30.0) -> None:
     except ValueError:  # no Serve on this Ray
         serve.shutdown()
         return
-    ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while CONTROLLER in ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    try:
+        ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        pass  # gone already, or stuck: serve.shutdown() below says which, as it always has
+    else:
+        deadline = time.monotonic() + timeout_s
+        while CONTROLLER in ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
     serve.shutdown()
