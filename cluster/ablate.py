@@ -41,6 +41,7 @@ from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, load
 from ground.ray_address import add_address_option
 from ground.storage import Location
+from train.layout import FINAL_DIR, FINAL_INFO
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -163,8 +164,9 @@ def read_result(trial: Trial, status: str) -> TrialResult:
         for key, value in record.items():
             if key.startswith(BPB_PREFIX) and value is not None:
                 curves.setdefault(key, []).append((record["step"] + 1, float(value)))
-    last = {key: points[-1][1] for key, points in curves.items() if points[-1][0] == evaluated[-1]["step"] + 1}
-    info = run.join("final", "final.json").read_json()
+    final_step = evaluated[-1]["step"] + 1 if evaluated else None  # no val split: nothing evaluated, nothing judged
+    last = {key: points[-1][1] for key, points in curves.items() if points[-1][0] == final_step}
+    info = run.join(FINAL_DIR, FINAL_INFO).read_json()
     texts = {f"{BPB_PREFIX}{s['name']}": f"val split of manifest {s['manifest_sha256']}" for s in info["data_sources"]}
     for held in info["train_config"]["data"]["heldout"]:
         texts[f"{BPB_PREFIX}{held['name']}"] = f"held-out {held['path']} ({held['field']})"

@@ -12,7 +12,7 @@ from ground.overrides import add_set_option, parse_set
 from ground.ray_address import add_address_option
 from train.config import STRATEGIES, ConfigError, load_config
 from train.guard import TrainingDiverged
-from train.mixture import data_overrides
+from train.mixture import parse_mixture
 from train.parallel import ReplicaMismatch
 from train.preflight import PreflightError
 
@@ -51,10 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"output_dir": args.output}
-    try:
-        overrides |= data_overrides(args.data)
-    except ValueError as exc:
-        raise ConfigError(f"--data: {exc}") from exc
+    if "=" in args.data:
+        try:
+            overrides["data.mixture"] = parse_mixture(args.data)
+        except ValueError as exc:
+            raise ConfigError(f"--data: {exc}") from exc
+    else:
+        overrides["data_dir"] = args.data
     for flag, key in (("strategy", "parallel.strategy"), ("workers", "parallel.workers"), ("steps", "steps")):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)

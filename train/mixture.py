@@ -60,14 +60,6 @@ def parse_mixture(spec: str) -> list[dict[str, Any]]:
     return entries
 
 
-def data_overrides(data: str) -> dict[str, Any]:
-    """``--data``'s value as config overrides: one pipeline output dir (``data_dir``), or ``name=DIR:weight,...``
-    (``data.mixture``, see ``parse_mixture``, whose ValueError it raises)."""
-    if "=" in data:
-        return {"data.mixture": parse_mixture(data)}
-    return {"data_dir": data}
-
-
 def load_sources(data_dir: str, mixture: list[Any]) -> list[Source]:
     """The run's sources: the mixture's (weights normalised), or the one data dir at weight 1. Checks that every
     source shares the first one's tokenizer, dtype and end-of-text id, naming the sources that differ."""
