@@ -20,20 +20,22 @@ from train_fixtures import build_token_dir, tiny_overrides
 from ground.hashing import sha256_file
 from train.__main__ import main as train_main
 from train.__main__ import overrides_from_args, parse_args
-from train.config import TrainConfig, load_config
+from train.config import ReweightConfig, TrainConfig, load_config
 from train.data import TrainBatches
 from train.final import train_to_completion
 from train.heldout import HeldOutError, read_texts
 from train.manifest import load_manifest
 from train.metrics import read_metrics
-from train.mixture import MixtureWeights, Source, cumulative_counts, load_sources, parse_mixture
+from train.mixture import AdaptiveWeights, MixtureWeights, Source, cumulative_counts, load_sources, parse_mixture
 from train.parallel import DistContext
 from train.preflight import PreflightError, check_data
+from train.reweight import next_weights
 from train.trainer import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 CPU = DistContext(rank=0, world_size=1, device=torch.device("cpu"))
 REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO / "data" / "eval-sets" / "gsm8k-test.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +109,14 @@ def mixture_config(data: Path, out: Path, mixture: list[dict], **extra: object) 
     return config
 
 
-def assert_resumes_bitwise(reference: Trainer, data: Path, out: Path, mixture: list[dict]) -> None:
+def assert_resumes_bitwise(reference: Trainer, data: Path, out: Path, mixture: list[dict], **extra: object) -> None:
     """A run of ``mixture`` stopped after 5 steps (checkpointed after 4) and resumed repeats ``reference`` (the
     uninterrupted run, finished) loss for loss and weight for weight."""
-    first = Trainer.from_config(mixture_config(data, out, mixture), CPU)
+    first = Trainer.from_config(mixture_config(data, out, mixture, **extra), CPU)
     for _ in range(5):
         first.run_step()
     first.checkpointer.close()
-    resumed = Trainer.from_config(mixture_config(data, out, mixture, **{"checkpoint.resume": True}), CPU)
+    resumed = Trainer.from_config(mixture_config(data, out, mixture, **extra, **{"checkpoint.resume": True}), CPU)
     resumed.train()
     got = [(r["step"], r["loss"]) for r in read_metrics(out)]
     assert got == [(r["step"], r["loss"]) for r in read_metrics(reference.config.output_dir)]
@@ -277,9 +279,110 @@ def test_a_schedule_that_cannot_be_followed_is_refused_naming_the_source(entry: 
         load_config(None, {"data.global_batch_size": 8, "data.micro_batch_size": 8, "data.mixture": swap})
 
 
-# ---- held-out text sets -----------------------------------------------------------------------------------------
+# ---- reweighting: the weights follow the per-source evaluation ------------------------------------------------------
 
-GSM8K = REPO / "data" / "eval-sets" / "gsm8k-test.jsonl"
+
+def test_reweighting_moves_weight_to_the_sources_that_improved_least_within_bounds() -> None:
+    weights, before = np.array([0.5, 0.3, 0.2]), np.array([4.0, 4.0, 4.0])
+    now = np.array([3.0, 3.8, 3.5])  # web improved most, books least
+    moved = next_weights(weights, before, now, ReweightConfig(rate=1.0, min_weight=0.1, max_weight=0.8))
+    assert moved.sum() == pytest.approx(1.0) and moved[1] > weights[1] and moved[0] < weights[0]
+    assert moved[1] / weights[1] > moved[2] / weights[2] > moved[0] / weights[0]  # in the order of improvement
+    # A large step stops at the bounds, and the weights still sum to 1.
+    pinned = next_weights(weights, before, now, ReweightConfig(rate=50.0, min_weight=0.1, max_weight=0.8))
+    assert pinned.sum() == pytest.approx(1.0) and pinned.min() >= 0.1 - 1e-12 and pinned.max() <= 0.8 + 1e-12
+    assert pinned[0] == pytest.approx(0.1)
+    # Every source improving alike changes nothing.
+    same = next_weights(weights, before, before * 0.9, ReweightConfig(rate=1.0))
+    np.testing.assert_allclose(same, weights)
+
+
+def test_adaptive_counts_follow_each_piece_and_never_decrease() -> None:
+    weights = AdaptiveWeights(np.array([0.7, 0.3]))
+    weights.change(5, np.array([0.4, 0.6]))
+    weights.change(9, np.array([0.1, 0.9]))
+    batch, previous = 8, np.zeros(2, dtype=np.int64)
+    for step in range(1, 30):
+        counts = weights.counts(step, batch)
+        assert (counts >= previous).all() and counts.sum() == batch * step
+        expected = sum(weights.at(t) for t in range(step)) * batch
+        assert np.abs(counts - expected).max() <= 1
+        previous = counts
+    with pytest.raises(ValueError, match="before the last one"):
+        weights.change(7, np.array([0.5, 0.5]))
+
+
+@pytest.fixture(scope="module")
+def web_and_math(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two domains with one tokenizer: the tests' token dir (web text), and GSM8K's questions (the set the repository
+    ships) tokenized by its tokenizer, so the two val splits differ and the model learns them at different rates."""
+    questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[:400]]
+    math = build_token_dir(
+        tmp_path_factory.mktemp("mixture") / "math", docs=questions,
+        tokenizer=Tokenizer.from_file(str(token_dir / "tokenizer.json")),
+    )  # fmt: skip
+    # The same tokenizer, byte for byte (a mixture checks its sha256).
+    shutil.copyfile(token_dir / "tokenizer.json", math / "tokenizer.json")
+    manifest = json.loads((math / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = sha256_file(math / "tokenizer.json")
+    (math / "manifest.json").write_text(json.dumps(manifest))
+    return token_dir, math
+
+
+def test_a_reweighted_run_follows_its_evaluations_and_resumes_bitwise(
+    web_and_math: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An evaluation every 2 steps moves the weights (rate 2, within [0.2, 0.8]) toward the source whose val loss
+    fell least since the evaluation before; the loader mixes each later step by them; final.json keeps every piece;
+    and a run stopped after the step-4 checkpoint resumes to the same losses and weights (the pieces and the last
+    losses ride in the checkpoint)."""
+    web, math = web_and_math
+    mixture = [{"name": "web", "path": str(web), "weight": 0.5}, {"name": "math", "path": str(math), "weight": 0.5}]
+    reweight = {"data.eval_interval": 2, "data.reweight": {"rate": 2.0, "min_weight": 0.2, "max_weight": 0.8}}
+    torch.set_num_threads(1)
+    reference = Trainer.from_config(mixture_config(web, tmp_path / "ref", mixture, **reweight), CPU)
+    info = train_to_completion(reference)
+    evals = [r for r in read_metrics(tmp_path / "ref") if "val_loss/web" in r]
+    assert [r["step"] for r in evals] == [1, 3, 5, 7]
+    pieces = info["mixture_weights"]
+    assert [p["from_data_step"] for p in pieces] == [0, 4, 6, 8]  # the first evaluation only sets the baseline
+    previous = pieces[0]["weights"]
+    for earlier, later, piece in zip(evals[:-1], evals[1:], pieces[1:], strict=True):
+        fell = {name: 1 - later[f"val_loss/{name}"] / earlier[f"val_loss/{name}"] for name in ("web", "math")}
+        slower = min(fell, key=lambda name: fell[name])
+        weight = piece["weights"]
+        assert weight[slower] > previous[slower] or weight[slower] == pytest.approx(0.8)  # the slower one gained
+        assert sum(weight.values()) == pytest.approx(1.0) and min(weight.values()) >= 0.2 - 1e-12
+        assert later[f"mixture_weight/{slower}"] == weight[slower]
+        previous = weight
+    # Each step draws math windows in its piece's proportion (within the cumulative counts' floor).
+    loader = reference.train_batches.final
+    math_from = len(loader.windows) - loader.sizes[1]
+    drawn = [int((loader.window_ids(step) >= math_from).sum()) for step in range(8)]
+    expected = [loader.weights.at(step)[1] * 8 for step in range(8)]
+    assert all(abs(got - want) <= 1 for got, want in zip(drawn, expected, strict=True)), (drawn, expected)
+    assert len({round(w, 9) for w in expected}) > 1  # the weights did move
+    assert_resumes_bitwise(reference, web, tmp_path / "run", mixture, **reweight)
+
+
+def test_reweighting_that_cannot_be_followed_is_refused_naming_why() -> None:
+    two = [{"name": "web", "path": "a", "weight": 0.5}, {"name": "books", "path": "b", "weight": 0.5}]
+    on = {"data.reweight": {"rate": 1.0}}
+    with pytest.raises(ValueError, match=r"needs data\.mixture with 2 or more sources"):
+        load_config(None, on)
+    with pytest.raises(ValueError, match=r"sources with a schedule: \['books'\]"):
+        scheduled = [two[0], {**two[1], "schedule": [{"step": 5, "weight": 1.0}]}]
+        load_config(None, {**on, "data.mixture": scheduled})
+    with pytest.raises(ValueError, match=r"needs data\.eval_interval > 0"):
+        load_config(None, {**on, "data.mixture": two, "data.eval_interval": 0})
+    with pytest.raises(ValueError, match=r"sources \['books'\] start outside"):
+        bounds = {"rate": 1.0, "min_weight": 0.1}  # books: 0.04 / 0.54 of the mixture
+        load_config(None, {"data.mixture": [two[0], {**two[1], "weight": 0.04}], "data.reweight": bounds})
+    with pytest.raises(ValueError, match="no 2 weights summing to 1 fit"):
+        load_config(None, {"data.mixture": two, "data.reweight": {"rate": 1.0, "max_weight": 0.4}})
+
+
+# ---- held-out text sets -----------------------------------------------------------------------------------------
 
 
 def test_a_heldout_set_is_evaluated_beside_the_val_split_in_loss_and_bits_per_byte(

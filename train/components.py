@@ -29,6 +29,7 @@ from train.mixture import Source, data_lineage_sha256, describe
 from train.model import GPT
 from train.optim import build_optimizer
 from train.parallel import DistContext, apply_strategy, compile_model
+from train.reweight import Reweighter
 from train.run_dir import RunDir
 from train.shard_verify import ShardVerifier
 from train.token_bytes import token_byte_lengths
@@ -72,6 +73,7 @@ class DataParts:
     train: PhasedBatches  # train and val batches, one loader of each per context phase (one without a schedule)
     verifier: ShardVerifier | None  # shared by all; its owner (the trainer) closes it
     token_bytes: np.ndarray | None  # bytes each token id stands for (train.token_bytes): bits per byte's denominator
+    reweighter: Reweighter | None  # moves the mixture's weights after each evaluation (data.reweight); None: off
 
 
 def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run_dir: RunDir) -> DataParts:
@@ -92,6 +94,8 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
         fim = FimTransform.for_tokenizer(config.fim, data.seed, tokenizer_file)
     phases = context_phases(config)
     heldout = {h.name: heldout_tokens(read_texts(h.path, h.field), tokenizer_file) for h in data.heldout}
+    # One set of adaptive weights for every phase's loader: a phase counts its sequences from the run's data steps.
+    reweighter = Reweighter(data.reweight, sources) if data.reweight.rate > 0 else None
     train, val = [], []
     rank, world = ctx.rank, ctx.world_size
     for phase in phases:
@@ -99,6 +103,7 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
         train.append(TrainBatches(
             sources, block, micro, grad_accum, rank, world, data.seed, ctx.device,
             prefetch_steps=data.prefetch_steps, verifier=verifier, fim=fim, phase=phase.index, first_step=phase.start,
+            weights=reweighter.weights if reweighter is not None else None,
         ))  # fmt: skip
 
         def val_of(of: list[Source], block: int = block, micro: int = micro) -> ValBatches:
@@ -112,7 +117,7 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
             by_source[name] = HeldOutBatches(tokens, block, micro, data.eval_sequences, rank, world, ctx.device)
         val.append(ValSet(combined, by_source))
     token_bytes = token_byte_lengths(tokenizer_file)
-    return DataParts(PhasedBatches(phases, train, val), verifier, token_bytes)
+    return DataParts(PhasedBatches(phases, train, val), verifier, token_bytes, reweighter)
 
 
 def build_checkpointer(

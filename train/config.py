@@ -45,6 +45,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "ParallelConfig",
     "Precision",
     "ProfileConfig",
+    "ReweightConfig",
     "Strategy",
     "TrainConfig",
     "WeightPoint",
@@ -92,6 +93,15 @@ class HeldOutSet(_Section):
     field: str = "text"
 
 
+class ReweightConfig(_Section):
+    """Domain upsampling from the per-source evaluation (train/reweight.py): at each evaluation, a mixture's weights
+    move toward the sources whose val loss improved least since the one before, within [min_weight, max_weight]."""
+
+    rate: float = Field(0.0, ge=0.0)  # how far one evaluation moves the weights; 0: the mixture's own weights
+    min_weight: float = Field(0.05, gt=0.0, lt=1.0)
+    max_weight: float = Field(0.95, gt=0.0, le=1.0)
+
+
 class DataConfig(_Section):
     micro_batch_size: int = Field(8, ge=1)  # sequences per rank per forward/backward
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, fixed across world sizes
@@ -110,6 +120,8 @@ class DataConfig(_Section):
     # Text no run trains on, evaluated beside the val splits at every evaluation (train.heldout): one yardstick
     # for runs on different data.
     heldout: list[HeldOutSet] = Field(default_factory=list)
+    # A mixture's weights moved by the per-source evaluation while training (train.reweight); off by default.
+    reweight: ReweightConfig = Field(default_factory=ReweightConfig)
 
 
 class FimConfig(_Section):
@@ -303,6 +315,8 @@ class TrainConfig(_Section):
                     "it needs global_batch_size × (the largest source's smallest weight share over the schedule) "
                     ">= sources - 1"
                 )
+        if d.reweight.rate > 0:
+            self._check_reweight()
         if self.context_schedule:
             self._check_context_schedule()
         sources = [m.name for m in d.mixture] or ["data"]
@@ -340,6 +354,36 @@ class TrainConfig(_Section):
                 f"({p.min_workers}) to parallel.workers ({p.workers}); it is not for w = {uneven}"
             )
         return self
+
+    def _check_reweight(self) -> None:
+        d, r = self.data, self.data.reweight
+        if len(d.mixture) < 2:
+            raise ValueError("data.reweight moves a mixture's weights: it needs data.mixture with 2 or more sources")
+        if scheduled := [m.name for m in d.mixture if m.schedule]:
+            raise ValueError(
+                f"data.reweight and a weight schedule both set the weights: drop one (sources with a schedule: "
+                f"{scheduled})"
+            )
+        if d.eval_interval <= 0:
+            raise ValueError("data.reweight moves the weights at each evaluation: it needs data.eval_interval > 0")
+        n = len(d.mixture)
+        if r.min_weight > r.max_weight or n * r.min_weight > 1 or n * r.max_weight < 1:
+            raise ValueError(
+                f"data.reweight: no {n} weights summing to 1 fit in [min_weight {r.min_weight}, max_weight "
+                f"{r.max_weight}]"
+            )
+        total = sum(m.weight for m in d.mixture)
+        if outside := [m.name for m in d.mixture if not r.min_weight <= m.weight / total <= r.max_weight]:
+            raise ValueError(
+                f"data.mixture sources {outside} start outside data.reweight's [min_weight {r.min_weight}, "
+                f"max_weight {r.max_weight}] (weights are normalised to sum to 1)"
+            )
+        # The source that takes each step's rest of the global batch (train.mixture) may fall to min_weight.
+        if d.global_batch_size * r.min_weight < n - 1:
+            raise ValueError(
+                f"global_batch_size {d.global_batch_size} is too small to reweight {n} sources: it needs "
+                f"global_batch_size × data.reweight.min_weight ({r.min_weight}) >= sources - 1"
+            )
 
     def _check_context_schedule(self) -> None:
         phases, block = self.context_schedule, self.model.block_size

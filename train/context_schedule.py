@@ -107,6 +107,10 @@ class PhasedBatches:
     def restored_step(self, state: dict[str, Any]) -> int:
         return self.train[0].restored_step(state)
 
+    def drop_read_ahead(self) -> None:
+        for loader in self.train:
+            loader.drop_read_ahead()
+
     def close(self) -> None:
         for loader in self.train:
             loader.close()

@@ -43,7 +43,7 @@ import torch
 from ground.cache import fetch_verified
 from train.fim import FimTransform
 from train.manifest import Manifest, Shard
-from train.mixture import MixtureWeights, Source
+from train.mixture import AdaptiveWeights, MixtureWeights, Source
 from train.shard_verify import DaemonPool, ShardVerifier
 
 CLOSE_JOIN_S = 10.0  # close() waits at most this long for the read under way (it may wait on a shard's hashing)
@@ -137,7 +137,7 @@ def mixture_rank_windows(
     micro_batch_size: int,
     grad_accum: int,
     sizes: Sequence[int],
-    weights: MixtureWeights,
+    weights: MixtureWeights | AdaptiveWeights,
     first_step: int = 0,
 ) -> np.ndarray:
     """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
@@ -202,6 +202,7 @@ class TrainBatches:
         fim: FimTransform | None = None,
         phase: int = 0,
         first_step: int = 0,
+        weights: MixtureWeights | AdaptiveWeights | None = None,
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
@@ -212,7 +213,9 @@ class TrainBatches:
                 raise ValueError(
                     f"no train shard of {source.manifest.root} holds block_size + 1 = {block_size + 1} tokens"
                 )
-        self.weights = MixtureWeights.of(self.sources)
+        # ``weights``: a mixture's weights shared with the trainer, which changes them (train.reweight); else the
+        # config's, fixed or scheduled.
+        self.weights = weights if weights is not None else MixtureWeights.of(self.sources)
         shards = [shard for s in self.sources for shard in s.manifest.split("train")]
         self.windows = WindowIndex(shards, block_size, verifier)
         self.dtype = self.sources[0].manifest.dtype
@@ -309,6 +312,13 @@ class TrainBatches:
         self._pool.close(join_s=CLOSE_JOIN_S)
         self._close_pool.detach()
         self._pool = None
+
+    def drop_read_ahead(self) -> None:
+        """Forget the steps read ahead: the mixture's weights changed, so those steps hold other windows now. A read
+        under way finishes into a result nobody takes."""
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
 
     def __enter__(self) -> TrainBatches:
         return self

@@ -55,6 +55,8 @@ def write_final(trainer: Trainer) -> dict[str, Any] | None:
             "train_config": config.to_dict(),
             "data_manifest_sha256": data_lineage_sha256(trainer.sources),
             "data_sources": describe(trainer.sources),
+            # data.reweight: the weights as the per-source evaluation moved them, piece by piece.
+            "mixture_weights": trainer.reweighter.history() if trainer.reweighter is not None else None,
             "replica_digests": digests,
             "peak_state_bytes": trainer.peak_state_bytes,
             "bad_steps": trainer.bad_steps,

@@ -19,6 +19,12 @@ over the last steps) and a source introduced at a step. The weights of step t ar
 cumulative counts become ``C_s(t) = floor(G · sum of w_s over steps 0..t-1)`` (prefix sums, computed once up to the
 last point), one source, the one whose smallest weight is largest, taking the rest: still whole, never decreasing,
 within one sequence of the schedule's share, and a pure function of the step.
+
+**Adaptive weights.** With ``data.reweight`` (train.reweight) the weights change at the evaluations: piecewise
+constant, each piece from the data step after an evaluation on. ``AdaptiveWeights`` keeps the pieces, and the counts
+are ``floor(G · the shares summed over the pieces)``, the rest to the source with the largest starting weight. The
+pieces ride in the checkpoint, so the data stays a pure function of (seed, step, the pieces, rank, world size), and a
+resume is bitwise.
 """
 
 from __future__ import annotations
@@ -167,3 +173,40 @@ class MixtureWeights:
     def of(cls, sources: list[Source]) -> MixtureWeights:
         raw = [s.raw_weight if s.raw_weight is not None else s.weight for s in sources]
         return cls(raw, [s.schedule for s in sources])
+
+
+class AdaptiveWeights:
+    """Weights that the trainer changes at data steps of its choosing (train.reweight): constant from one change to
+    the next. The same interface as ``MixtureWeights`` for the loaders (``at``, ``counts``)."""
+
+    def __init__(self, initial: np.ndarray) -> None:
+        self.pieces: list[tuple[int, np.ndarray]] = [(0, np.asarray(initial, dtype=np.float64))]
+        self.rest = int(np.argmax(initial))
+
+    def at(self, step: int) -> np.ndarray:
+        """The weights of data step ``step``."""
+        return next(weights for start, weights in reversed(self.pieces) if start <= step)
+
+    def counts(self, steps: int, global_batch: int) -> np.ndarray:
+        """Sequences each source has contributed after ``steps`` data steps."""
+        pieces = self.pieces  # one read: a change from the training thread swaps the list whole
+        shares = np.zeros_like(pieces[0][1])
+        for i, (start, weights) in enumerate(pieces):
+            end = pieces[i + 1][0] if i + 1 < len(pieces) else steps
+            shares = shares + weights * max(0, min(end, steps) - start)
+        counts = np.floor(global_batch * shares + 1e-9).astype(np.int64)
+        counts[self.rest] = steps * global_batch - (counts.sum() - counts[self.rest])
+        return counts
+
+    def change(self, from_step: int, weights: np.ndarray) -> None:
+        """``weights`` from data step ``from_step`` on (a later piece than any so far)."""
+        if from_step < self.pieces[-1][0]:
+            raise ValueError(f"a weight change at data step {from_step} is before the last one ({self.pieces[-1][0]})")
+        kept = [piece for piece in self.pieces if piece[0] < from_step]
+        self.pieces = [*kept, (from_step, np.asarray(weights, dtype=np.float64))]
+
+    def state_dict(self) -> list[list[Any]]:
+        return [[start, weights.tolist()] for start, weights in self.pieces]
+
+    def load_state_dict(self, state: list[list[Any]]) -> None:
+        self.pieces = [(int(start), np.asarray(weights, dtype=np.float64)) for start, weights in state]

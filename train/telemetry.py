@@ -42,7 +42,8 @@ Names as Prometheus sees them (OTel instrument -> Prometheus series):
     raylm.train.memory.state              gauge By   -> raylm_train_memory_state_bytes (params+grads+optimizer held)
     raylm.train.memory.peak_rss           gauge By   -> raylm_train_memory_peak_rss_bytes
     (prometheus_client, see below)        gauges     -> raylm_train_loss, raylm_train_val_loss, raylm_train_grad_norm,
-                                                    raylm_train_source_val_loss and _val_bpb (label source)
+                                                    raylm_train_source_val_loss, _val_bpb and _mixture_weight
+                                                    (label source)
 
 Per-step times are counters of seconds rather than gauges of the last step: a scrape every 15 s would see one
 step in hundreds, while ``rate(x_seconds_total) / rate(raylm_train_steps_total)`` is the mean over every step in
@@ -89,8 +90,13 @@ NON_FINITE_GAUGES = {
 SOURCE_GAUGES = {
     "raylm_train_source_val_loss": "Validation loss of one data source at the latest evaluation.",
     "raylm_train_source_val_bpb": "Validation bits per byte of one data source at the latest evaluation.",
+    "raylm_train_source_mixture_weight": "A mixture source's weight as data.reweight set it at the latest evaluation.",
 }
-SOURCE_FIELDS = {"val_loss/": "raylm_train_source_val_loss", "val_bpb/": "raylm_train_source_val_bpb"}
+SOURCE_FIELDS = {
+    "val_loss/": "raylm_train_source_val_loss",
+    "val_bpb/": "raylm_train_source_val_bpb",
+    "mixture_weight/": "raylm_train_source_mixture_weight",
+}
 
 
 # OTel instruments, key -> (kind, name, unit, description); the module docstring lists them as Prometheus names

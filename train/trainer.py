@@ -178,6 +178,7 @@ class Trainer(Stateful):
         self.flops_per_token = model.flops_per_token
         self.run_dir = run_dir
         self.train_batches, self.verifier = data.train, data.verifier
+        self.reweighter = data.reweighter  # data.reweight: the mixture's weights follow the per-source evaluation
         # Bytes per token id, for bits per byte (None: the tokenizer is not byte-level; then none is reported).
         self.token_bytes = torch.from_numpy(data.token_bytes) if data.token_bytes is not None else None
         self.guard, self.checkpointer, self.resuming = guard, checkpointer, resuming
@@ -320,6 +321,10 @@ class Trainer(Stateful):
         if last or (interval > 0 and (step + 1) % interval == 0):
             self._progress(f"evaluation after step {step}")
             record.update(self.evaluate())
+            if self.reweighter is not None and record["val_loss"] is not None:
+                # The steps from the next data step on mix by the new weights: what was read ahead is stale.
+                record.update(self.reweighter.observe(self.data_step, record))
+                self.train_batches.drop_read_ahead()
         if self.config.guard.sync_check_interval and (step + 1) % self.config.guard.sync_check_interval == 0:
             self.check_replicas()
         # After a rollback the state is the restored checkpoint's, already saved: nothing new to checkpoint.
@@ -612,6 +617,7 @@ class Trainer(Stateful):
                 "best_val_loss": self.best_val_loss,
                 "lr_cooldown_until": self.lr_cooldown_until,
                 "schedule_steps": self.schedule_steps,
+                "reweight": self.reweighter.state_dict() if self.reweighter is not None else None,
             },
             # Rank-unique key: DCP keeps one copy of a plain tensor saved under the same key by every rank.
             "rng": {rng_key(self.ctx.rank): capture_rng(self.ctx.device)},
@@ -632,6 +638,8 @@ class Trainer(Stateful):
         self.lr_cooldown_until = int(progress.get("lr_cooldown_until", 0))
         # A checkpoint written before the schedule was kept decayed over the steps of the run that wrote it.
         self.schedule_steps = int(progress.get("schedule_steps", self.schedule_steps))
+        if self.reweighter is not None and progress.get("reweight") is not None:
+            self.reweighter.load_state_dict(progress["reweight"])
         packed = state_dict.get("rng", {}).get(rng_key(self.ctx.rank))
         if packed is not None:  # absent for a rank that did not exist when the checkpoint was saved
             restore_rng(packed, self.ctx.device)
