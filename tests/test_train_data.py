@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from ccnet import load_ccnet_texts
+from train_fixtures import build_token_dir, tiny_overrides
 
 from ground.hashing import sha256_file
 from train import shard_verify
@@ -30,7 +32,10 @@ from train.data import StepBatches, TrainBatches, ValBatches, global_sample_wind
 from train.manifest import DataError, Manifest, load_manifest
 from train.model import GPTConfig
 from train.optim import learning_rate
+from train.parallel import DistContext
+from train.preflight import check_data
 from train.shard_verify import ShardVerifier
+from train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -98,6 +103,61 @@ def test_loader_reads_real_tokens_and_resumes_from_state(token_dir: Path) -> Non
     assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(again, batches[2], strict=True))
     with pytest.raises(ValueError, match="seed"):
         loader().restored_step({"step": 2, "seed": 1, "world_size": 1})
+
+
+@pytest.fixture(scope="module")
+def short_and_long(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A token dir of two kinds of document, interleaved: GSM8K's questions (short) and cc_net's web pages (long)."""
+
+    questions = [json.loads(line)["question"] for line in (REPO / "data/eval-sets/gsm8k-test.jsonl").open()][:300]
+    pages = load_ccnet_texts()
+    docs = [doc for pair in itertools.zip_longest(questions, pages) for doc in pair if doc]
+    return build_token_dir(tmp_path_factory.mktemp("short-and-long"), docs=docs)
+
+
+def test_easy_first_starts_with_the_shortest_documents_then_shuffles_each_window_once(short_and_long: Path) -> None:
+    """data.easy_first: the first steps' windows are those touching the most documents (the shortest), most first;
+    the rest of the epoch is the seeded order of the windows left, so every window still comes once per epoch; and
+    two ranks split the same global batches."""
+    manifest, steps, block = load_manifest(short_and_long), 6, 64
+    plain = TrainBatches(manifest, block, 2, 2, 0, 1, 7, CPU)
+    easy = TrainBatches(manifest, block, 2, 2, 0, 1, 7, CPU, easy_first_steps=steps)
+    documents = plain.windows.documents_per_window(manifest.eot_id, np.dtype(manifest.dtype))
+    epoch_steps = len(documents) // 4
+    order = np.concatenate([easy.window_ids(step).reshape(-1) for step in range(epoch_steps)])
+    assert len(set(order.tolist())) == len(order)  # no window twice in the epoch
+    first, later = order[: steps * 4], order[steps * 4 :]
+    assert (np.diff(documents[first]) <= 0).all()  # most documents first
+    assert documents[first].min() >= np.sort(documents)[::-1][steps * 4 - 1]  # the top ones
+    assert documents[first].min() >= 2 > documents.mean()  # planted: the questions, several to a window
+    # Then the seeded order of the windows left: not sorted, and the next epoch is the plain seeded one.
+    assert not (np.diff(documents[later]) <= 0).all()
+    assert easy.window_ids(epoch_steps + 3).tolist() == plain.window_ids(epoch_steps + 3).tolist()
+    ranks = [TrainBatches(manifest, block, 2, 1, r, 2, 7, CPU, easy_first_steps=steps) for r in range(2)]
+    for step in range(steps + 2):
+        both = np.concatenate([r.window_ids(step).reshape(-1) for r in ranks])
+        assert both.tolist() == easy.window_ids(step).reshape(-1).tolist()
+
+
+def test_a_run_with_easy_first_trains_its_first_step_on_the_shortest_documents(
+    short_and_long: Path, tmp_path: Path
+) -> None:
+
+    overrides = tiny_overrides(short_and_long, tmp_path / "run", **{"data.easy_first": {"steps": 3}})
+    config = load_config(None, overrides | {"checkpoint.enabled": False})
+    check_data(config)
+    trainer = Trainer.from_config(config, DistContext(0, 1, CPU))
+    try:
+        loader = trainer.train_batches.final
+        documents = loader.windows.documents_per_window(trainer.manifest.eot_id, np.dtype(trainer.manifest.dtype))
+        assert documents[loader.window_ids(0).reshape(-1)].min() == documents.max()
+        trainer.train_step()
+    finally:
+        trainer.close()
+    # A context schedule's later phase numbers other windows: the ordering must end within the first phase.
+    schedule = [{"from_step": 0, "block_size": 16}, {"from_step": 2, "block_size": 32}]
+    with pytest.raises(ConfigError, match=r"data\.easy_first\.steps \(3\) runs past the first context phase"):
+        load_config(None, overrides | {"context_schedule": schedule})
 
 
 def test_val_batches_split_evenly_across_ranks(token_dir: Path) -> None:

@@ -104,6 +104,7 @@ def build_data(config: TrainConfig, ctx: DistContext, sources: list[Source], run
             sources, block, micro, grad_accum, rank, world, data.seed, ctx.device,
             prefetch_steps=data.prefetch_steps, verifier=verifier, fim=fim, phase=phase.index, first_step=phase.start,
             weights=reweighter.weights if reweighter is not None else None,
+            easy_first_steps=data.easy_first.steps if phase.index == 0 else 0,
         ))  # fmt: skip
 
         def val_of(of: list[Source], block: int = block, micro: int = micro) -> ValBatches:

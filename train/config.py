@@ -35,6 +35,7 @@ __all__ = [  # ConfigError is re-exported: callers of load_config catch it from 
     "ContextPhase",
     "CostConfig",
     "DataConfig",
+    "EasyFirstConfig",
     "FimConfig",
     "GPTConfig",
     "GuardConfig",
@@ -102,6 +103,15 @@ class ReweightConfig(_Section):
     max_weight: float = Field(0.95, gt=0.0, le=1.0)
 
 
+class EasyFirstConfig(_Section):
+    """Difficulty ordering (train/data.py, ``easy_first_epoch``): for the first ``steps`` steps, each source's windows
+    come easiest first, by ``by``; then the seeded shuffle. ``doc_length``: windows of the shortest documents first
+    (the most end-of-text tokens in a window)."""
+
+    by: Literal["doc_length"] = "doc_length"
+    steps: int = Field(0, ge=0)  # 0: off
+
+
 class DataConfig(_Section):
     micro_batch_size: int = Field(8, ge=1)  # sequences per rank per forward/backward
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, fixed across world sizes
@@ -122,6 +132,8 @@ class DataConfig(_Section):
     heldout: list[HeldOutSet] = Field(default_factory=list)
     # A mixture's weights moved by the per-source evaluation while training (train.reweight); off by default.
     reweight: ReweightConfig = Field(default_factory=ReweightConfig)
+    # Shorter documents first for the first steps (a curriculum by difficulty); off by default.
+    easy_first: EasyFirstConfig = Field(default_factory=EasyFirstConfig)
 
 
 class FimConfig(_Section):
@@ -395,6 +407,11 @@ class TrainConfig(_Section):
         sizes = [p.block_size for p in phases]
         if any(b < a for a, b in itertools.pairwise(sizes)):
             raise ValueError(f"context_schedule: a phase's block_size may not shrink the context, got {sizes}")
+        if len(phases) > 1 and self.data.easy_first.steps > phases[1].from_step:
+            raise ValueError(
+                f"data.easy_first.steps ({self.data.easy_first.steps}) runs past the first context phase (to step "
+                f"{phases[1].from_step}): difficulty ordering applies to the first phase's windows"
+            )
         if phases[-1].block_size != block:
             raise ValueError(
                 f"context_schedule: the last phase's block_size ({phases[-1].block_size}) must be model.block_size "

@@ -13,6 +13,9 @@ batch fixed, ``single`` with accum 2k consumes exactly the sequences ``ddp``-2 w
 of several pipeline outputs (``train.mixture``) numbers the windows source after source and splits each
 step's global batch between the sources by weight; each source walks its own epochs.
 
+Difficulty ordering (``data.easy_first``) changes only epoch 0's order: the windows of the shortest documents
+first, for the first steps, then the seeded order of the rest (``easy_first_epoch``).
+
 No Ray Data here on purpose: its streaming split does not promise an order, and reproducible,
 resumable training needs one.
 
@@ -78,6 +81,20 @@ class WindowIndex:
             tokens = self._maps[shard] = np.memmap(self.verified_file(self.shards[shard]), dtype=dtype, mode="r")
         return np.asarray(tokens[offset : offset + self.block_size + 1], dtype=np.int64)
 
+    def documents_per_window(self, eot_id: int, dtype: np.dtype) -> np.ndarray:
+        """How many documents each window touches: the end-of-text tokens among its ``block_size + 1`` tokens, plus
+        one. Reads every shard once (a shard in object storage is fetched into the node's cache)."""
+        counts = []
+        for index, shard in enumerate(self.shards):
+            windows = int(self._starts[index + 1] - self._starts[index])
+            if windows == 0:
+                continue
+            tokens = np.memmap(self.verified_file(shard), dtype=dtype, mode="r")
+            ends = np.flatnonzero(tokens == eot_id)
+            first = np.arange(windows, dtype=np.int64) * self.block_size
+            counts.append(np.searchsorted(ends, first + self.block_size + 1) - np.searchsorted(ends, first) + 1)
+        return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)
+
     def verified_file(self, shard: Shard) -> Path:
         """The local file to read ``shard`` from, its bytes checked against the manifest's sha256.
 
@@ -109,24 +126,49 @@ def epoch_permutation(seed: Seed, epoch: int, num_windows: int) -> np.ndarray:
     return np.random.default_rng([*seed_parts(seed), epoch]).permutation(num_windows)
 
 
-def global_sample_windows(seed: Seed, first_sample: int, count: int, num_windows: int) -> np.ndarray:
-    """Window ids of global samples [first_sample, first_sample + count)."""
+def easy_first_epoch(seed: Seed, documents: np.ndarray, easy: int) -> np.ndarray:
+    """The first epoch's order under difficulty ordering (``data.easy_first``): the ``easy`` windows that touch the
+    most documents (the shortest documents), most first, ties by window id; then every other window in the epoch's
+    seeded order. Each window still comes once in the epoch."""
+    easiest = np.argsort(-documents, kind="stable")[:easy]
+    taken = np.zeros(len(documents), dtype=bool)
+    taken[easiest] = True
+    shuffled = epoch_permutation(seed, 0, len(documents))
+    return np.concatenate([easiest, shuffled[~taken[shuffled]]])
+
+
+def global_sample_windows(
+    seed: Seed, first_sample: int, count: int, num_windows: int, first_epoch: np.ndarray | None = None
+) -> np.ndarray:
+    """Window ids of global samples [first_sample, first_sample + count). ``first_epoch``: epoch 0's order, when it
+    is not the seeded permutation (``easy_first_epoch``)."""
     samples = np.arange(first_sample, first_sample + count, dtype=np.int64)
     epochs, positions = np.divmod(samples, num_windows)
     out = np.empty(count, dtype=np.int64)
     for epoch in np.unique(epochs):
         mask = epochs == epoch
-        out[mask] = epoch_permutation(seed, int(epoch), num_windows)[positions[mask]]
+        order = (
+            first_epoch if epoch == 0 and first_epoch is not None else epoch_permutation(seed, int(epoch), num_windows)
+        )
+        out[mask] = order[positions[mask]]
     return out
 
 
 def rank_windows(
-    seed: Seed, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int, num_windows: int
+    seed: Seed,
+    step: int,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum: int,
+    num_windows: int,
+    first_epoch: np.ndarray | None = None,
 ) -> np.ndarray:
     """Window ids rank ``rank`` trains on at ``step``, shape (grad_accum, micro_batch_size)."""
     per_rank = micro_batch_size * grad_accum
     first = step * per_rank * world_size + rank * per_rank
-    return global_sample_windows(seed, first, per_rank, num_windows).reshape(grad_accum, micro_batch_size)
+    windows = global_sample_windows(seed, first, per_rank, num_windows, first_epoch)
+    return windows.reshape(grad_accum, micro_batch_size)
 
 
 def mixture_rank_windows(
@@ -139,21 +181,26 @@ def mixture_rank_windows(
     sizes: Sequence[int],
     weights: MixtureWeights | AdaptiveWeights,
     first_step: int = 0,
+    first_epochs: Sequence[np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """Window ids (numbered across the sources, in order) rank ``rank`` trains on at ``step`` of a mixture,
     shape (grad_accum, micro_batch_size): the step's global batch is each source's next sequences, source
     after source (``train.mixture.MixtureWeights.counts``), and the rank takes its contiguous slice of it.
     ``first_step``: the run's step this numbering starts at (a context phase's first): the weights are the run's
-    step's, the counts since ``first_step``."""
+    step's, the counts since ``first_step``. ``first_epochs``: each source's epoch-0 order where it is not the seeded
+    permutation (difficulty ordering)."""
     per_rank = micro_batch_size * grad_accum
     global_batch = per_rank * world_size
     start = weights.counts(first_step, global_batch)
     before = weights.counts(first_step + step, global_batch) - start
     after = weights.counts(first_step + step + 1, global_batch) - start
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    orders = first_epochs or [None] * len(sizes)
     parts = [
         offsets[s]
-        + global_sample_windows((*seed_parts(seed), s), int(before[s]), int(after[s] - before[s]), int(sizes[s]))
+        + global_sample_windows(
+            (*seed_parts(seed), s), int(before[s]), int(after[s] - before[s]), int(sizes[s]), orders[s]
+        )
         for s in range(len(sizes))
     ]
     step_windows = np.concatenate(parts)
@@ -203,11 +250,13 @@ class TrainBatches:
         phase: int = 0,
         first_step: int = 0,
         weights: MixtureWeights | AdaptiveWeights | None = None,
+        easy_first_steps: int = 0,
     ) -> None:
         if prefetch_steps < 0:
             raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
         self.sources = as_sources(data)
-        self.sizes = [len(WindowIndex(s.manifest.split("train"), block_size)) for s in self.sources]
+        indexes = [WindowIndex(s.manifest.split("train"), block_size, verifier) for s in self.sources]
+        self.sizes = [len(index) for index in indexes]
         for source, size in zip(self.sources, self.sizes, strict=True):
             if size == 0:
                 raise ValueError(
@@ -228,6 +277,15 @@ class TrainBatches:
         self.order_seed: Seed = seed if phase == 0 else (seed, PHASE_STREAM, phase)
         # The run's step this loader's step 0 is (a phase's first): mixture schedules and FIM follow the run's step.
         self.first_step = first_step
+        # Difficulty ordering (data.easy_first): epoch 0 of each source starts with the windows of its shortest
+        # documents, as many as the source contributes in the first ``easy_first_steps`` steps at its starting weight.
+        self.first_epochs: list[np.ndarray | None] = [None] * len(self.sources)
+        if easy_first_steps > 0:
+            easy = self.weights.counts(easy_first_steps, micro_batch_size * grad_accum * world_size)
+            for s, (source, index) in enumerate(zip(self.sources, indexes, strict=True)):
+                documents = index.documents_per_window(source.manifest.eot_id, np.dtype(source.manifest.dtype))
+                stream = (*seed_parts(self.order_seed), s) if len(self.sources) > 1 else self.order_seed
+                self.first_epochs[s] = easy_first_epoch(stream, documents, min(int(easy[s]), len(documents)))
         self.device = device
         self.prefetch_steps = prefetch_steps
         self.fim = fim
@@ -246,7 +304,7 @@ class TrainBatches:
         if len(self.sources) > 1:
             return mixture_rank_windows(
                 self.order_seed, step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum,
-                self.sizes, self.weights, self.first_step,
+                self.sizes, self.weights, self.first_step, self.first_epochs,
             )  # fmt: skip
         return rank_windows(
             self.order_seed,
@@ -256,6 +314,7 @@ class TrainBatches:
             self.micro_batch_size,
             self.grad_accum,
             len(self.windows),
+            self.first_epochs[0],
         )
 
     def position(self, step: int) -> dict[str, Any]:
