@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.ablation_report import plot_curves, report_markdown, report_text
 from cluster.ablation_stats import Comparison, compare_all, noise
-from cluster.run import Chain, KeyedChain, StageFailed, keyed_stages
+from cluster.planner import ComputePlan
+from cluster.run import Chain, KeyedChain, StageFailed, keyed_stages, training_plan
 from cluster.run_spec import Job, SpecError, load_job
 from cluster.stages import verified
 from ground.logsetup import setup_logging
@@ -73,6 +74,8 @@ class AblationSpec(_Spec):
     alpha: float = Field(0.05, gt=0, lt=1)  # the family-wise error rate of a variant's verdicts
     metrics: list[str] = Field(default_factory=list)  # val_bpb/<set or source>; empty: every one that compares
     variants: list[Variant] = Field(min_length=2)  # the first is the baseline
+    # The most the trainings may cost, priced by the planner before anything runs (needs cluster.price_per_gpu_hour).
+    max_usd: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _well_formed(self) -> AblationSpec:
@@ -110,6 +113,7 @@ class Trial:
     seed: int
     overrides: dict[str, Any]  # over the base job spec: what the trial is, rebuilt in a Ray task from these
     chain: KeyedChain
+    compute: ComputePlan | None = None  # the planner's GPU-hours and cost of its training (None: a local run)
 
     @property
     def run_dir(self) -> str:
@@ -151,8 +155,49 @@ def plan(spec: AblationSpec) -> list[Trial]:
                         f"metrics: {metric!r} names no set that variant {variant.name!r} scores "
                         f"(its held-out sets and sources: {', '.join(sorted(scored_sets(job)))})"
                     )
-            trials.append(Trial(variant.name, seed, overrides, keyed_stages(job)))
+            try:
+                planned = training_plan(job)
+            except SpecError as exc:
+                raise SpecError(f"variants.{variant.name}: {exc}") from exc
+            compute = planned.compute if planned is not None else None
+            trials.append(Trial(variant.name, seed, overrides, keyed_stages(job), compute))
     return trials
+
+
+@dataclass(frozen=True)
+class Price:
+    """What the ablation's trainings cost by the planner, over the trials it will train (the finished ones are
+    reused and cost nothing)."""
+
+    trials: int  # to train
+    reused: int
+    gpu_hours: float | None  # None: local runs, nothing to price
+    cost_usd: float | None  # None: no cluster.price_per_gpu_hour
+
+    def describe(self) -> str:
+        what = f"{self.trials} trainings to run, {self.reused} finished and reused"
+        if self.gpu_hours is None:
+            return f"{what}; no cluster section: local runs, not priced"
+        cost = f", ${self.cost_usd:,.2f}" if self.cost_usd is not None else " (no cluster.price_per_gpu_hour: no cost)"
+        return f"{what}; {self.gpu_hours:,.2f} GPU-hours by the planner{cost}"
+
+
+def price(spec: AblationSpec, trials: list[Trial]) -> Price:
+    """The planner's price of the trainings still to run; refused past ``max_usd`` (``SpecError`` naming both)."""
+    todo = [t for t in trials if verified(t.chain.train.out.location)[0] is None]
+    computes = [t.compute for t in todo if t.compute is not None]
+    hours = sum(c.gpu_hours for c in computes) if computes else None
+    costs = [c.cost_usd for c in computes if c.cost_usd is not None]
+    cost = sum(costs) if computes and len(costs) == len(computes) else None
+    if spec.max_usd is not None:
+        if cost is None and todo:
+            raise SpecError("max_usd: the trainings have no price: give the job's cluster.price_per_gpu_hour")
+        if cost is not None and cost > spec.max_usd:
+            raise SpecError(
+                f"max_usd: the planner prices the {len(todo)} trainings to run at ${cost:,.2f} "
+                f"({hours:,.2f} GPU-hours), over max_usd ${spec.max_usd:,.2f}"
+            )
+    return Price(len(todo), len(trials) - len(todo), hours, cost)
 
 
 def read_result(trial: Trial, status: str) -> TrialResult:
@@ -288,6 +333,7 @@ def run_ablation(
 ) -> tuple[list[TrialResult], Verdicts]:
     """Plan, curate and train (or reuse) every trial, judge, and write the report into ``spec.output``."""
     trials = plan(spec)
+    log.info("plan: %s", price(spec, trials).describe())
     chain = Chain(address, worker_logs)
     try:
         results = run_trials(spec, trials, chain, concurrent)
@@ -317,7 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "std), the paired difference with a bootstrap 95%% interval, the signal-to-noise ratio, Holm-corrected "
         "p-values and a verdict. Finished trials are reused; OUTPUT/ablation.json, .md and .png hold the report.",
         epilog="ABLATION keys: job, output, seeds (2 or more), variants ([{name, set, seeds}], the first the "
-        "baseline), and optionally set, alpha (0.05), metrics ([val_bpb/<name>]). "
+        "baseline), and optionally set, vary (both, init or data), alpha (0.05), metrics ([val_bpb/<name>]), "
+        "max_usd (the most the trainings may cost by the planner). "
         "Examples: cluster/jobs/ablation_aa.yaml, cluster/jobs/ablation_quality.yaml",
     )
     parser.add_argument("ablation", help="the ablation's YAML file")
@@ -329,6 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--worker-logs", choices=("files", "terminal"), default="files", help="as cluster.run's: where the Ray "
         "workers' output goes (default: each node's Ray session logs)",
     )  # fmt: skip
+    parser.add_argument(
+        "--plan", action="store_true", help="plan every trial and price the trainings still to run (the planner's "
+        "GPU-hours and cost, for a job with a cluster section), then stop: nothing runs",
+    )  # fmt: skip
     add_address_option(parser)
     return parser.parse_args(argv)
 
@@ -338,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         spec = load(AblationSpec, args.ablation)
+        if args.plan:
+            trials = plan(spec)
+            for i, trial in enumerate(trials):
+                print(f"{_where(i, trials)}: {trial.run_dir}")
+            print(f"plan: {price(spec, trials).describe()}")
+            return 0
         results, verdicts = run_ablation(spec, args.address, args.concurrent, args.worker_logs)
     except (ConfigError, SpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -41,6 +41,9 @@ from ground.logsetup import setup_logging
 from ground.overrides import ConfigError, parse_set
 from ground.ray_address import add_address_option
 from ground.storage import Location, StorageError
+
+if TYPE_CHECKING:
+    from cluster.planner import Plan
 
 LINEAGE = "lineage.json"
 
@@ -310,8 +313,22 @@ def planned_vocab_size(job: Job) -> int:
 def plan_verdict(job: Job) -> tuple[str, str]:
     """The planner's check of the spec's training on the spec's GPUs: a spec that cannot fit is refused here,
     before anything starts (``SpecError`` naming the fields)."""
-    if job.spec.cluster is None:
+    plan = training_plan(job)
+    if plan is None:
         return "skipped", "no cluster section: a local run, nothing to plan"
+    assert job.spec.cluster is not None and plan.trainer is not None
+    cluster, gpu, usable = job.spec.cluster, job.spec.cluster.gpu_type, plan.memory.usable_bytes
+    return "done", (
+        f"{plan.model.n_params / 1e6:.1f}M parameters on {cluster.gpus} × {gpu}: "
+        f"{plan.trainer.state_bytes_per_rank / 1e9:.2f} GB state a rank of {usable / 1e9:.1f} GB usable"
+    )
+
+
+def training_plan(job: Job) -> Plan | None:
+    """The planner's plan of the spec's training on the spec's GPUs (its compute: GPU-hours and cost), or None for a
+    spec without a cluster section. A spec whose model cannot fit is refused (``SpecError`` naming the fields)."""
+    if job.spec.cluster is None:
+        return None
     from cluster.job_spec import JobSpec
     from cluster.planner import build_plan
 
@@ -355,10 +372,7 @@ def plan_verdict(job: Job) -> tuple[str, str]:
             f"{job.source}: plan: train.model with train.data.micro_batch_size {data.micro_batch_size} needs "
             f"{plan.memory.total_bytes / 1e9:.1f} GB a GPU, {usable / 1e9:.1f} GB usable on one {gpu}"
         )
-    return "done", (
-        f"{plan.model.n_params / 1e6:.1f}M parameters on {cluster.gpus} × {gpu}: "
-        f"{plan.trainer.state_bytes_per_rank / 1e9:.2f} GB state a rank of {usable / 1e9:.1f} GB usable"
-    )
+    return plan
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,17 +15,19 @@ from conftest import SAMPLE
 
 from cluster.ablate import AblationSpec, main, plan
 from cluster.ablation_stats import bootstrap_interval, compare_all, holm, paired_p_value
+from cluster.run import training_plan
+from cluster.run_spec import load_job
 from ground.overrides import ConfigError, load
 
 HELDOUT = [{"name": "gsm8k", "path": "data/eval-sets/gsm8k-test.jsonl", "field": "question"}]
 
 
-def job_spec(tmp_path: Path) -> Path:
+def job_spec(tmp_path: Path, **sections: Any) -> Path:
     spec = {
         "root": str(tmp_path / "root"),
         "data": {"inputs": str(SAMPLE), "base": "pipeline/configs/demo.yaml"},
         "train": {"base": "train/configs/demo.yaml", "steps": 20, "data": {"heldout": HELDOUT}},
-    }
+    } | sections
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -100,6 +102,34 @@ def test_a_trial_that_cannot_run_is_refused_before_any_starts(
     assert main([str(path)]) == 2
     assert re.search(named, capsys.readouterr().err)
     assert not (tmp_path / "root").exists() and not (tmp_path / "report").exists()
+
+
+def test_the_planner_prices_the_trainings_before_any_runs_and_refuses_past_max_usd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = {"gpus": 1, "gpu_type": "A10G", "price_per_gpu_hour": 1.25}
+    (tmp_path / "gpu").mkdir()
+    job = job_spec(tmp_path / "gpu", cluster=cluster)  # ablation() writes the local job.yaml beside it
+    variants = [{"name": "base"}, {"name": "long", "set": {"train.steps": 40}}]
+    path = tmp_path / "ablation.yaml"
+    path.write_text(yaml.safe_dump(ablation(tmp_path, variants) | {"job": str(job)}))
+    assert main([str(path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    # One trial's training as cluster.run's plan stage prices it; the long variant trains twice the tokens.
+    one = training_plan(load_job(str(job))).compute
+    total = 3 * one.gpu_hours + 3 * 2 * one.gpu_hours
+    assert f"plan: 6 trainings to run, 0 finished and reused; {total:,.2f} GPU-hours by the planner" in out, out
+    assert f"${total * 1.25:,.2f}" in out and out.count("trial ") == 6
+    assert not (tmp_path / "gpu" / "root").exists()  # nothing ran
+    path.write_text(yaml.safe_dump(ablation(tmp_path, variants) | {"job": str(job), "max_usd": total}))
+    assert main([str(path), "--plan"]) == 2
+    assert f"over max_usd ${total:,.2f}" in capsys.readouterr().err
+    # A variant whose model cannot fit the job's GPUs is refused by name before anything runs.
+    big = {"train.model.n_layer": 48, "train.model.n_embd": 6144, "train.model.n_head": 48}
+    path.write_text(yaml.safe_dump(ablation(tmp_path, [variants[0], {"name": "huge", "set": big}]) | {"job": str(job)}))
+    assert main([str(path)]) == 2
+    assert "variants.huge: " in (err := capsys.readouterr().err) and "does not fit on one A10G" in err, err
+    assert not (tmp_path / "gpu" / "root").exists() and not (tmp_path / "report").exists()
 
 
 def test_verdicts_pair_the_seeds_and_correct_for_several_metrics() -> None:
