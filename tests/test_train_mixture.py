@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import FlushedQueue, cpu_rank, run_gloo_ranks
 from remote_servers import moto_server, upload_dir, use_s3_endpoint
 from tokenizers import Tokenizer
 from train_fixtures import build_token_dir, tiny_overrides
@@ -329,6 +330,13 @@ def web_and_math(token_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
     return token_dir, math
 
 
+REWEIGHT = {"data.eval_interval": 2, "data.reweight": {"rate": 2.0, "min_weight": 0.2, "max_weight": 0.8}}
+
+
+def web_and_math_mixture(web: Path, math: Path) -> list[dict]:
+    return [{"name": "web", "path": str(web), "weight": 0.5}, {"name": "math", "path": str(math), "weight": 0.5}]
+
+
 def test_a_reweighted_run_follows_its_evaluations_and_resumes_bitwise(
     web_and_math: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -337,8 +345,7 @@ def test_a_reweighted_run_follows_its_evaluations_and_resumes_bitwise(
     and a run stopped after the step-4 checkpoint resumes to the same losses and weights (the pieces and the last
     losses ride in the checkpoint)."""
     web, math = web_and_math
-    mixture = [{"name": "web", "path": str(web), "weight": 0.5}, {"name": "math", "path": str(math), "weight": 0.5}]
-    reweight = {"data.eval_interval": 2, "data.reweight": {"rate": 2.0, "min_weight": 0.2, "max_weight": 0.8}}
+    mixture, reweight = web_and_math_mixture(web, math), REWEIGHT
     torch.set_num_threads(1)
     reference = Trainer.from_config(mixture_config(web, tmp_path / "ref", mixture, **reweight), CPU)
     info = train_to_completion(reference)
@@ -363,6 +370,47 @@ def test_a_reweighted_run_follows_its_evaluations_and_resumes_bitwise(
     assert all(abs(got - want) <= 1 for got, want in zip(drawn, expected, strict=True)), (drawn, expected)
     assert len({round(w, 9) for w in expected}) > 1  # the weights did move
     assert_resumes_bitwise(reference, web, tmp_path / "run", mixture, **reweight)
+
+
+def _reweighted_ddp_worker(
+    rank: int, world: int, port: int, web: str, math: str, out: str, queue: FlushedQueue
+) -> None:
+    """A reweighted DDP-2 run whole, and stopped after 5 steps (checkpointed after 4) then resumed: each rank's
+    weight pieces, and whether the resumed weights equal the whole run's."""
+    mixture = web_and_math_mixture(Path(web), Path(math))
+    ddp = {**REWEIGHT, "parallel.strategy": "ddp", "parallel.workers": 2}
+    with cpu_rank(rank, world, port) as ctx:
+        whole = Trainer.from_config(mixture_config(Path(web), Path(out) / "whole", mixture, **ddp), ctx)
+        whole.train()
+        cut = Trainer.from_config(mixture_config(Path(web), Path(out) / "cut", mixture, **ddp), ctx)
+        for _ in range(5):
+            cut.run_step()
+        cut.checkpointer.close()
+        resumed = Trainer.from_config(
+            mixture_config(Path(web), Path(out) / "cut", mixture, **ddp, **{"checkpoint.resume": True}), ctx
+        )
+        resumed.train()
+        weights = resumed.gpt.state_dict()
+        same = all(torch.equal(value, weights[name]) for name, value in whole.gpt.state_dict().items())
+        assert whole.reweighter is not None and resumed.reweighter is not None
+        queue.put({"rank": rank, "whole": whole.reweighter.history(), "resumed": resumed.reweighter.history(),
+                   "same": same})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_reweighted_ddp_run_moves_every_ranks_weights_alike_and_resumes_bitwise(
+    web_and_math: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Under DDP on 2 ranks, every rank computes the same weights from the evaluation (its losses summed across the
+    ranks), and a resume repeats the whole run's losses, weights and pieces."""
+    web, math = web_and_math
+    results = run_gloo_ranks(_reweighted_ddp_worker, 2, str(web), str(math), str(tmp_path))
+    assert results[0]["whole"] == results[1]["whole"] and len(results[0]["whole"]) == 4
+    assert len({json.dumps(p["weights"]) for p in results[0]["whole"]}) == 4  # every evaluation moved them
+    for result in results:
+        assert result["resumed"] == result["whole"] and result["same"], result
+    losses = [[(r["step"], r["loss"]) for r in read_metrics(tmp_path / name)] for name in ("whole", "cut")]
+    assert len(losses[0]) == 8 and losses[1] == losses[0]
 
 
 def test_reweighting_that_cannot_be_followed_is_refused_naming_why() -> None:
