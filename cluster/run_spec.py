@@ -144,6 +144,8 @@ class Job:
         if price is not None and not _has(train_keys, "cost.usd_per_gpu_hour"):
             train_keys = apply_overrides(train_keys, {"cost.usd_per_gpu_hour": price})
         self.train = _validated(TrainConfig, train_keys, "train", source)
+        if self.train.data.reweight.rate > 0 and not self.is_mixture:
+            raise SpecError(f"{source}: train.data.reweight moves a mixture's weights: it needs data.sources")
         if self.is_mixture:  # the mixture's own checks (e.g. a batch too small to mix), before anything runs
             mixture = [{"name": s.name, "path": s.name, "weight": s.weight} for s in self.sources]
             _validated(TrainConfig, apply_overrides(train_keys, {"data.mixture": mixture}), "train", source)

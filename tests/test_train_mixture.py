@@ -416,8 +416,8 @@ def test_a_reweighted_ddp_run_moves_every_ranks_weights_alike_and_resumes_bitwis
 def test_reweighting_that_cannot_be_followed_is_refused_naming_why() -> None:
     two = [{"name": "web", "path": "a", "weight": 0.5}, {"name": "books", "path": "b", "weight": 0.5}]
     on = {"data.reweight": {"rate": 1.0}}
-    with pytest.raises(ValueError, match=r"needs data\.mixture with 2 or more sources"):
-        load_config(None, on)
+    with pytest.raises(PreflightError, match=r"needs data\.mixture with 2 or more sources"):
+        check_data(load_config(None, on | {"data_dir": "nowhere"}))
     with pytest.raises(ValueError, match=r"sources with a schedule: \['books'\]"):
         scheduled = [two[0], {**two[1], "schedule": [{"step": 5, "weight": 1.0}]}]
         load_config(None, {**on, "data.mixture": scheduled})

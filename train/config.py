@@ -368,16 +368,18 @@ class TrainConfig(_Section):
         return self
 
     def _check_reweight(self) -> None:
+        # Without a mixture yet (a job spec's train section, before its curations name the sources), only what
+        # needs none is checked here; a run without one is refused by train.preflight.
         d, r = self.data, self.data.reweight
-        if len(d.mixture) < 2:
-            raise ValueError("data.reweight moves a mixture's weights: it needs data.mixture with 2 or more sources")
+        if d.eval_interval <= 0:
+            raise ValueError("data.reweight moves the weights at each evaluation: it needs data.eval_interval > 0")
+        if not d.mixture:
+            return
         if scheduled := [m.name for m in d.mixture if m.schedule]:
             raise ValueError(
                 f"data.reweight and a weight schedule both set the weights: drop one (sources with a schedule: "
                 f"{scheduled})"
             )
-        if d.eval_interval <= 0:
-            raise ValueError("data.reweight moves the weights at each evaluation: it needs data.eval_interval > 0")
         n = len(d.mixture)
         if r.min_weight > r.max_weight or n * r.min_weight > 1 or n * r.max_weight < 1:
             raise ValueError(

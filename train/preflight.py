@@ -45,6 +45,8 @@ def check_locations(config: TrainConfig) -> Location:
 
 def check_data(config: TrainConfig) -> Manifest:
     """Validate the data dir against the model config; fills ``model.vocab_size`` from the manifest."""
+    if config.data.reweight.rate > 0 and len(config.data.mixture) < 2:
+        raise PreflightError("data.reweight moves a mixture's weights: it needs data.mixture with 2 or more sources")
     try:
         # Every source of a mixture exists, satisfies the contract and shares the first one's tokenizer.
         manifest = load_sources(config.data_dir, config.data.mixture)[0].manifest
