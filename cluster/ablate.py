@@ -365,7 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="ABLATION keys: job, output, seeds (2 or more), variants ([{name, set, seeds}], the first the "
         "baseline), and optionally set, vary (both, init or data), alpha (0.05), metrics ([val_bpb/<name>]), "
         "max_usd (the most the trainings may cost by the planner). "
-        "Examples: cluster/jobs/ablation_aa.yaml, cluster/jobs/ablation_quality.yaml",
+        "Examples: cluster/jobs/ablation_aa.yaml, cluster/jobs/ablation_quality.yaml, "
+        "cluster/jobs/ablation_curriculum.yaml",
     )
     parser.add_argument("ablation", help="the ablation's YAML file")
     parser.add_argument(
