@@ -100,7 +100,8 @@ def test_scrape_reports_exactly_what_the_steps_recorded(rank1: TrainTelemetry) -
     before = time.time()
     fed = [
         record(0, mfu=0.31, val_loss=4.5, peak_mem_bytes=[100, 200], state_bytes=[10, 20], peak_rss_bytes=[7, 9],
-               **{"val_loss/web": 4.4, "val_bpb/web": 1.25, "val_loss/books": 4.7, "val_bpb/books": 1.4}),
+               **{"val_loss/web": 4.4, "val_bpb/web": 1.25, "val_loss/books": 4.7, "val_bpb/books": 1.4,
+                  "mixture_weight/web": 0.6, "mixture_weight/books": 0.4}),
         record(1, step_time_s=0.8, sync_wait_s=0.05, skipped=True, checkpoints=[{"checkpoint": "c1"}],
                checkpoint_stall_s=0.25),
         record(2, loss=float("nan"), grad_norm=float("inf"), skipped=True, step_time_s=0.6, rolled_back_to=0,
@@ -133,6 +134,8 @@ def test_scrape_reports_exactly_what_the_steps_recorded(rank1: TrainTelemetry) -
     loss = {lab["source"]: v for lab, v in s["raylm_train_source_val_loss"]}
     bpb = {lab["source"]: v for lab, v in s["raylm_train_source_val_bpb"]}
     assert loss == {"web": 4.4, "books": 4.7} and bpb == {"web": 1.25, "books": 1.4}  # labelled by source
+    weights = {lab["source"]: v for lab, v in s["raylm_train_source_mixture_weight"]}
+    assert weights == {"web": 0.6, "books": 0.4}  # data.reweight's weights
 
     assert value(s, "raylm_train_step_time_seconds_total") == pytest.approx(sum(r["step_time_s"] for r in fed))
     assert value(s, "raylm_train_sync_wait_seconds_total") == pytest.approx(sum(r["sync_wait_s"] for r in fed))

@@ -363,9 +363,7 @@ class TrainBatches:
         working, reading on the calling thread."""
         if self._pool is None:
             return
-        for future in self._ahead.values():
-            future.cancel()
-        self._ahead.clear()
+        self.drop_read_ahead()
         # Waits for the one read under way: a thread that ran torch code should be gone before the process
         # exits, not ending while the interpreter finalizes (that can abort the process).
         self._pool.close(join_s=CLOSE_JOIN_S)

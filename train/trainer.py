@@ -321,7 +321,7 @@ class Trainer(Stateful):
         if last or (interval > 0 and (step + 1) % interval == 0):
             self._progress(f"evaluation after step {step}")
             record.update(self.evaluate())
-            if self.reweighter is not None and record["val_loss"] is not None:
+            if self.reweighter is not None:  # a source without val windows is refused by it, not skipped
                 # The steps from the next data step on mix by the new weights: what was read ahead is stale.
                 record.update(self.reweighter.observe(self.data_step, record))
                 self.train_batches.drop_read_ahead()
